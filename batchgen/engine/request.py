@@ -67,3 +67,51 @@ class SampleResult:
     token_logprobs: list[float] | None = None  # set when params.logprobs
     text: str | None = None  # set by the engine when stop strings were matched (truncated text)
     extra: dict = field(default_factory=dict)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """The scheduler's mutable state of one token stream.
+
+    Before its prompt is computed, one sequence stands for all of its request's targets; when the
+    prompt's last chunk is computed it forks into one sequence per target, which share every block
+    (refcounts) until they write into a shared block (copy-on-write). Invariants:
+    ``len(block_table) * block_size >= num_computed``; the first ``num_computed`` tokens' KV is in
+    ``block_table``; ``cache_handle`` is the radix node this sequence holds a lock on.
+    """
+
+    request: Request
+    targets: tuple[SampleTarget, ...]
+    token_ids: list[int]
+    num_prompt_tokens: int
+    cache_handle: object  # radix-cache handle this sequence has locked (the root when none)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # fixed at first admission; see SampleResult
+    num_blocks_in_cache: int = 0  # leading blocks already inserted into the radix cache
+    token_logprobs: list[float] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    text: str | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def forked(self) -> bool:
+        return len(self.targets) == 1

@@ -1,0 +1,40 @@
+# The README's commands. `make demo` and `make test` work on a fresh machine: they create the
+# virtual environment first (torch's CPU build is installed before anything else, so that pip
+# does not pull a multi-GB CUDA build).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO := demo
+
+.PHONY: setup demo test bench lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+$(DEMO)/model/config.json: | setup
+	$(BIN)/python scripts/make_tiny_model.py $(DEMO)/model --layers 4 --hidden 256 --heads 4 --kv-heads 2 --intermediate 768 --vocab 2048
+
+$(DEMO)/prompts.parquet: | setup
+	$(BIN)/python scripts/make_demo_data.py $@
+
+demo: setup $(DEMO)/model/config.json $(DEMO)/prompts.parquet
+	$(BIN)/batchgen run jobs/quickstart.yaml --fresh
+	$(BIN)/python -c "import pyarrow.dataset as ds; t = ds.dataset('out/quickstart').to_table(); print(t.num_rows, 'rows;', 'first:', repr(t.column('text')[0].as_py()[:120]))"
+
+test: setup
+	$(BIN)/pytest -x
+
+bench: setup
+	$(BIN)/python scripts/bench.py
+
+lint: setup
+	$(BIN)/ruff check batchgen kernels tests scripts
+
+clean:
+	rm -rf $(DEMO) out

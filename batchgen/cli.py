@@ -1,0 +1,212 @@
+"""The ``batchgen`` command: run, validate, status.
+
+A view only: parse the command line, load the job, call the runner, and map what comes back to
+SPEC's exit codes:
+
+- 0: done.
+- 2: the job, its input or its model is invalid (a BatchgenError): one line ``error: ...``.
+- 130: interrupted (SIGINT/SIGTERM, after the runner saved what was finished).
+- 1: anything else, a bug: one line ``internal error: ...`` naming a log file that holds the
+  traceback. A traceback never reaches the terminal.
+
+The runner (and with it torch) is imported inside the commands, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any, TypeVar
+
+import click
+
+from batchgen.errors import BatchgenError
+from batchgen.job import load_job
+
+EXIT_INTERNAL = 1
+EXIT_INVALID = 2
+EXIT_INTERRUPTED = 130
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _runner() -> ModuleType:
+    """The runner module (imported on first use; tests may put a fake in sys.modules)."""
+    return importlib.import_module("batchgen.runner")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: its message with newlines folded, or its type's name."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    """KeyboardInterrupt, or the runner's Interrupted (only if the runner was imported: an
+    exception of that class cannot exist otherwise)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    runner = sys.modules.get("batchgen.runner")
+    interrupted = getattr(runner, "Interrupted", None)
+    return isinstance(interrupted, type) and isinstance(exc, interrupted)
+
+
+def _write_traceback(exc: BaseException, log_dir: Path | None) -> Path:
+    """Write the traceback to ``log_dir/_batchgen-error-<time>.log`` (``_``: Parquet readers
+    skip it), or to a temp file when there is no usable folder. Returns the file's path."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    text = (
+        f"command: {shlex.join(sys.argv)}\n"
+        f"python: {platform.python_version()} on {platform.platform()}\n\n"
+        + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    )
+    if log_dir is not None and log_dir.is_dir():
+        path = log_dir / f"_batchgen-error-{stamp}.log"
+        try:
+            path.write_text(text, encoding="utf-8")
+            return path
+        except OSError:
+            pass
+    fd, name = tempfile.mkstemp(prefix=f"batchgen-error-{stamp}-", suffix=".log")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    return Path(name)
+
+
+class _ErrorGuard:
+    """Turns exceptions raised inside a command into SPEC's exit codes and one stderr line.
+
+    Set ``log_dir`` as soon as the output folder is known, so a traceback lands next to the
+    results it concerns.
+    """
+
+    def __init__(self) -> None:
+        self.log_dir: Path | None = None
+
+    def __enter__(self) -> _ErrorGuard:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, (click.exceptions.Exit, click.ClickException, click.Abort)):
+            return False  # click's own control flow
+        if isinstance(exc, BatchgenError):
+            click.echo(f"error: {_one_line(exc)}", err=True)
+            raise click.exceptions.Exit(EXIT_INVALID) from None
+        if _is_interrupt(exc):
+            message = "" if isinstance(exc, KeyboardInterrupt) else _one_line(exc)
+            click.echo(
+                message if message and message != type(exc).__name__ else "interrupted", err=True
+            )
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        if isinstance(exc, Exception):
+            try:
+                where = f"traceback written to {_write_traceback(exc, self.log_dir)}"
+            except OSError as log_err:
+                where = f"no traceback written: {_one_line(log_err)}"
+            click.echo(
+                f"internal error: {type(exc).__name__}: {_one_line(exc)} ({where})", err=True
+            )
+            raise click.exceptions.Exit(EXIT_INTERNAL) from None
+        return False  # SystemExit, GeneratorExit: not ours to handle
+
+
+def _set_option(f: F) -> F:
+    return click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override one key of the job file (dotted key, YAML value). Repeatable.",
+    )(f)
+
+
+_JOB_ARG = click.argument("job_file", metavar="JOB.yaml", type=click.Path(path_type=Path))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="batchgen", prog_name="batchgen")
+def main() -> None:
+    """Offline batch LLM inference: Parquet rows in, Parquet completions out.
+
+    \b
+    Example:
+      batchgen validate jobs/quickstart.yaml
+      batchgen run jobs/quickstart.yaml --set sampling.n=4
+      batchgen status out/quickstart
+    """
+
+
+@main.command()
+@_JOB_ARG
+@_set_option
+@click.option("--fresh", is_flag=True, help="Delete earlier results in the output folder first.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def run(job_file: Path, overrides: tuple[str, ...], fresh: bool, quiet: bool) -> None:
+    """Generate completions for every input row of JOB.yaml.
+
+    If the output folder already holds part of the same job, only the missing rows are
+    generated. Exit codes: 0 done, 2 invalid job/input/model, 130 interrupted (finished rows
+    are saved), 1 internal error.
+
+    \b
+    Example:
+      batchgen run jobs/quickstart.yaml
+      batchgen run jobs/quickstart.yaml --set engine.block_size=32 --fresh
+    """
+    with _ErrorGuard() as guard:
+        job = load_job(job_file, overrides)
+        guard.log_dir = job.output.path
+        _runner().run(job, fresh=fresh, quiet=quiet)
+
+
+@main.command()
+@_JOB_ARG
+@_set_option
+def validate(job_file: Path, overrides: tuple[str, ...]) -> None:
+    """Check JOB.yaml, its model and its input; print the plan.
+
+    Checks the job file, the model folder and the input columns; nothing is generated or
+    written.
+
+    \b
+    Example:
+      batchgen validate jobs/quickstart.yaml --set engine.kv_cache_memory=2GiB
+    """
+    with _ErrorGuard():
+        job = load_job(job_file, overrides)
+        click.echo(_runner().validate(job))
+
+
+@main.command()
+@click.argument("output_dir", metavar="OUTPUT_DIR", type=click.Path(path_type=Path))
+def status(output_dir: Path) -> None:
+    """Show how far the job writing OUTPUT_DIR has got.
+
+    Safe to run while the job runs.
+
+    \b
+    Example:
+      batchgen status out/quickstart
+    """
+    with _ErrorGuard():  # a log goes to a temp file: OUTPUT_DIR may not be ours
+        click.echo(_runner().status(output_dir))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,313 @@
+"""Parquet in: resolve the input files, check their columns and ids, stream rows in windows.
+
+The dataset is never held in memory whole: construction reads the files' metadata and the id
+column only (to prove ids unique); :meth:`InputDataset.iter_windows` streams record batches of
+just the needed columns. Every problem with the input is an :class:`~batchgen.errors.InputError`
+with one line naming the file and column.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Container, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.errors import InputError
+from batchgen.job import InputConfig
+from batchgen.results import RESULT_COLUMNS
+
+_GLOB_CHARS = frozenset("*?[")
+_ID_SCAN_BATCH = 65536  # rows per batch while scanning the id column
+
+
+@dataclass(frozen=True)
+class InputRow:
+    """One input row.
+
+    ``id`` comes from ``id_column``, or is the 0-based position over all files when it is null.
+    Exactly one of the prompt sources is configured; its value may still be null in the data
+    (the runner turns that row into ``error`` samples). ``messages`` is a list of
+    ``{"role", "content"}`` dicts (other struct fields are dropped; a null message stays None).
+    """
+
+    id: int | str
+    prompt: str | None
+    messages: list[dict[str, Any] | None] | None
+    keep: dict[str, Any]
+
+
+def resolve_input_files(spec: str) -> list[Path]:
+    """A Parquet file, a folder (its ``*.parquet`` files, not recursive, skipping names starting
+    with ``_`` or ``.``), or a glob (``**`` recurses); returned in sorted order."""
+    path = Path(spec)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if p.suffix == ".parquet" and p.is_file() and not p.name.startswith(("_", "."))
+        )
+        if not files:
+            raise InputError(f"input folder {path} holds no *.parquet files")
+        return files
+    if _GLOB_CHARS & set(spec):
+        files = sorted(Path(m) for m in glob.glob(spec, recursive=True) if os.path.isfile(m))
+        if not files:
+            raise InputError(f"input.path {spec} matches no files")
+        return files
+    raise InputError(f"input.path {spec} does not exist")
+
+
+def _is_view(t: pa.DataType, kind: str) -> bool:
+    """``is_string_view`` / ``is_list_view``, which older pyarrow versions lack."""
+    check = getattr(pa.types, f"is_{kind}_view", None)
+    return bool(check and check(t))
+
+
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or _is_view(t, "string")
+
+
+def _is_messages_type(t: pa.DataType) -> bool:
+    """list<struct<role: string, content: string, ...>> (list, large_list or list_view)."""
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or _is_view(t, "list")):
+        return False
+    item = t.value_type
+    if not pa.types.is_struct(item):
+        return False
+    names = {item.field(i).name: item.field(i).type for i in range(item.num_fields)}
+    return all(
+        key in names and (_is_string(names[key]) or pa.types.is_null(names[key]))
+        for key in ("role", "content")
+    )
+
+
+def _id_kind(t: pa.DataType) -> pa.DataType | None:
+    """The output id type for an input id column type: int64, string, or None if unsupported."""
+    if pa.types.is_integer(t):
+        return pa.int64()
+    if _is_string(t):
+        return pa.string()
+    return None
+
+
+class InputDataset:
+    """The input of a job: files, checked columns, unique ids; rows streamed in windows.
+
+    Attributes: ``files`` (sorted), ``num_rows``, ``id_type`` (int64 or string), ``keep_fields``
+    (the keep columns' fields, as in the first file), ``identity`` (a hash of the files' paths,
+    sizes, mtimes, row counts and schemas: cheap, no data read).
+    """
+
+    def __init__(self, cfg: InputConfig) -> None:
+        self.cfg = cfg
+        self.files = resolve_input_files(cfg.path)
+        clash = [c for c in cfg.keep_columns if c in RESULT_COLUMNS]
+        if clash:
+            raise InputError(
+                f"input.keep_columns: {', '.join(repr(c) for c in clash)} would collide with "
+                "an output column of the same name"
+            )
+        schemas: list[pa.Schema] = []
+        identity: list[Any] = []
+        self.num_rows = 0
+        for file in self.files:
+            try:
+                meta = pq.read_metadata(file)
+                schema = meta.schema.to_arrow_schema()
+            except (OSError, pa.ArrowException) as err:
+                raise InputError(f"input file {file} is not a Parquet file ({err})") from None
+            stat = file.stat()
+            schemas.append(schema)
+            self.num_rows += meta.num_rows
+            identity.append(
+                [
+                    str(file.resolve()),
+                    stat.st_size,
+                    stat.st_mtime_ns,
+                    meta.num_rows,
+                    schema.remove_metadata().to_string(),
+                ]
+            )
+        self.identity = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]
+        self.id_type = self._check_columns(schemas)
+        self.keep_fields = [schemas[0].field(c) for c in cfg.keep_columns]
+        if cfg.id_column is not None:
+            self._check_ids()
+
+    # -- checks
+
+    def _column_type(self, file: Path, schema: pa.Schema, column: str, key: str) -> pa.DataType:
+        index = schema.get_field_index(column)
+        if index < 0:
+            hint = (
+                "; set input.id_column: null to number rows by position"
+                if key == "id_column"
+                else ""
+            )
+            names = ", ".join(schema.names[:10]) + (", ..." if len(schema.names) > 10 else "")
+            raise InputError(
+                f"input file {file} has no column {column!r} (input.{key}); "
+                f"its columns: {names}{hint}"
+            )
+        return schema.field(index).type
+
+    def _check_columns(self, schemas: list[pa.Schema]) -> pa.DataType:
+        """Check every file's columns; return the id type."""
+        cfg = self.cfg
+        id_type: pa.DataType = pa.int64()
+        for n, (file, schema) in enumerate(zip(self.files, schemas, strict=True)):
+            if cfg.prompt_column is not None:
+                t = self._column_type(file, schema, cfg.prompt_column, "prompt_column")
+                if not (_is_string(t) or pa.types.is_null(t)):
+                    raise InputError(
+                        f"input file {file}: column {cfg.prompt_column!r} (input.prompt_column) "
+                        f"has type {t}, expected string"
+                    )
+            if cfg.messages_column is not None:
+                t = self._column_type(file, schema, cfg.messages_column, "messages_column")
+                if not (_is_messages_type(t) or pa.types.is_null(t)):
+                    raise InputError(
+                        f"input file {file}: column {cfg.messages_column!r} "
+                        f"(input.messages_column) has type {t}, expected "
+                        "list<struct<role: string, content: string>>"
+                    )
+            if cfg.id_column is not None:
+                t = self._column_type(file, schema, cfg.id_column, "id_column")
+                kind = _id_kind(t)
+                if kind is None:
+                    raise InputError(
+                        f"input file {file}: id column {cfg.id_column!r} has type {t}, "
+                        "expected an integer or a string"
+                    )
+                if n > 0 and kind != id_type:
+                    raise InputError(
+                        f"input file {file}: id column {cfg.id_column!r} has type {t}, but "
+                        f"{self.files[0]} has {id_type} ids"
+                    )
+                id_type = kind
+            for column in cfg.keep_columns:
+                t = self._column_type(file, schema, column, "keep_columns")
+                first = schemas[0].field(column).type
+                if not t.equals(first):
+                    raise InputError(
+                        f"input file {file}: keep column {column!r} has type {t}, but "
+                        f"{self.files[0]} has {first}"
+                    )
+        return id_type
+
+    def _check_ids(self) -> None:
+        """No null and no duplicate ids, over all files. Reads the id column only."""
+        column = self.cfg.id_column
+        assert column is not None
+        chunks: list[pa.Array] = []
+        for file in self.files:
+            try:
+                with open(file, "rb") as fh:
+                    for batch in pq.ParquetFile(fh).iter_batches(
+                        batch_size=_ID_SCAN_BATCH, columns=[column]
+                    ):
+                        ids = batch.column(0)
+                        if ids.null_count:
+                            raise InputError(
+                                f"input file {file}: id column {column!r} has "
+                                f"{ids.null_count} null value(s)"
+                            )
+                        chunks.append(ids.cast(self.id_type))
+            except (OSError, pa.ArrowException) as err:
+                raise InputError(f"cannot read input file {file}: {err}") from None
+        ids = pa.chunked_array(chunks, type=self.id_type)
+        if pc.count_distinct(ids).as_py() == len(ids):
+            return
+        counts = pc.value_counts(ids)
+        repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+        shown = ", ".join(repr(v) for v in repeated[:5].to_pylist())
+        more = f" and {len(repeated) - 5} more" if len(repeated) > 5 else ""
+        raise InputError(f"id column {column!r} has duplicate ids: {shown}{more}")
+
+    # -- reading
+
+    def _columns(self) -> list[str]:
+        """The columns to read, each once, in a fixed order."""
+        cfg = self.cfg
+        wanted = [cfg.id_column, cfg.prompt_column, cfg.messages_column, *cfg.keep_columns]
+        return list(dict.fromkeys(c for c in wanted if c is not None))
+
+    def iter_windows(
+        self, window_rows: int, skip_ids: Container[Any] = ()
+    ) -> Iterator[list[InputRow]]:
+        """Yield the rows in input order, in lists of at most ``window_rows`` rows (only the last
+        may be shorter; none is empty), omitting rows whose id is in ``skip_ids``.
+
+        Positions (the ids when ``id_column`` is null) count over all files, skipped rows
+        included, so they do not depend on what was skipped.
+        """
+        if window_rows < 1:
+            raise ValueError("window_rows must be at least 1")
+        columns = self._columns()
+        window: list[InputRow] = []
+        position = 0
+        for file in self.files:
+            try:
+                with open(file, "rb") as fh:
+                    batches = pq.ParquetFile(fh).iter_batches(
+                        batch_size=min(window_rows, _ID_SCAN_BATCH), columns=columns
+                    )
+                    for batch in batches:
+                        for row in self._rows_of(batch, position, skip_ids):
+                            window.append(row)
+                            if len(window) == window_rows:
+                                yield window
+                                window = []
+                        position += batch.num_rows
+            except (OSError, pa.ArrowException) as err:
+                raise InputError(f"cannot read input file {file}: {err}") from None
+        if window:
+            yield window
+
+    def _rows_of(
+        self, batch: pa.RecordBatch, start: int, skip_ids: Container[Any]
+    ) -> Iterator[InputRow]:
+        cfg = self.cfg
+        n = batch.num_rows
+
+        def values(name: str | None) -> list[Any]:
+            if name is None:
+                return [None] * n
+            return batch.column(batch.schema.get_field_index(name)).to_pylist()
+
+        ids = values(cfg.id_column) if cfg.id_column is not None else range(start, start + n)
+        prompts = values(cfg.prompt_column)
+        messages = values(cfg.messages_column)
+        keep = {c: values(c) for c in cfg.keep_columns}
+        for i in range(n):
+            row_id = ids[i]
+            if row_id in skip_ids:
+                continue
+            yield InputRow(
+                id=row_id,
+                prompt=prompts[i],
+                messages=_messages(messages[i]),
+                keep={c: vals[i] for c, vals in keep.items()},
+            )
+
+
+def _messages(value: list[Any] | None) -> list[dict[str, Any] | None] | None:
+    if value is None:
+        return None
+    return [
+        None if m is None else {"role": m.get("role"), "content": m.get("content")} for m in value
+    ]
+
+
+__all__ = ["InputDataset", "InputRow", "resolve_input_files"]

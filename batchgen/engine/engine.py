@@ -1,0 +1,203 @@
+"""The engine loop: schedule -> run the model -> sample -> update -> finished samples."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.batch import build_step
+from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.radix_cache import NullCache, RadixCache
+from batchgen.engine.request import FinishReason, Request, SampleResult, Sequence
+from batchgen.engine.sampler import SamplingBatch, sample
+from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    prefix_caching: bool = True
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    computed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
+    allocated_slots: int = 0  # summed over steps: KV slots in blocks in use
+    unused_slots: int = 0  # summed over steps: allocated slots that hold no token yet
+
+    @property
+    def waste(self) -> float:
+        """Internal fragmentation of the paged pool, averaged over steps."""
+        return self.unused_slots / self.allocated_slots if self.allocated_slots else 0.0
+
+
+class Engine:
+    """Runs requests to completion on one model. Usage: ``add()`` requests, then call ``step()``
+    while ``has_work()``; each step returns the samples that finished in it."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        config: EngineConfig,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+        copy_blocks: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        detokenize: Callable[[list[int]], str] | None = None,
+        check_invariants: bool = False,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.vocab_size = vocab_size
+        self.copy_blocks = copy_blocks
+        self.detokenize = detokenize
+        self.check_invariants = check_invariants
+        # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            num_layers, 2, config.num_blocks, config.block_size, num_kv_heads, head_dim,
+            dtype=dtype, device=device,
+        )
+        self.pool = BlockPool(config.num_blocks)
+        cache = RadixCache(self.pool, config.block_size) if config.prefix_caching else NullCache(config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                watermark_blocks=max(1, config.num_blocks // 100),
+            ),
+            self.pool,
+            cache,
+            eos_token_ids,
+        )
+        self.stats = EngineStats()
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_waiting_targets(self) -> int:
+        return self.scheduler.num_waiting_targets
+
+    @torch.inference_mode()
+    def step(self) -> list[SampleResult]:
+        batch = self.scheduler.schedule()
+        assert batch, "scheduler produced an empty batch while work remains"
+        if batch.copies:
+            src, dst = zip(*batch.copies, strict=True)
+            self.copy_blocks(
+                self.kv_cache,
+                torch.tensor(src, dtype=torch.int64, device=self.device),
+                torch.tensor(dst, dtype=torch.int64, device=self.device),
+            )
+        step = build_step(batch, self.config.block_size, self.device)
+        draws: list[list[Draw]] = []
+        if len(step.logits_indices):
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+            logits = self.model.compute_logits(hidden[step.logits_indices])
+            draws = self._sample(batch, logits)
+        else:
+            self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+        self._account(batch)
+        finished = self.scheduler.update(batch, draws)
+        finished += self._check_stop_strings(batch)
+        if self.check_invariants:
+            self.scheduler.check()
+        return [self._result(seq) for seq in finished]
+
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> list[list[Draw]]:
+        params, keys, positions, seqs = [], [], [], []
+        for chunk in batch.chunks:
+            if not chunk.samples:
+                continue
+            seq = chunk.seq
+            for target in seq.targets:
+                params.append(seq.params)
+                keys.append(target.rng_key)
+                positions.append(len(seq.token_ids))
+                seqs.append(seq)
+        needs_history = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            for p in params
+        )
+        prompt_ids = [s.token_ids[: s.num_prompt_tokens] for s in seqs] if needs_history else None
+        output_ids = [s.output_ids for s in seqs] if needs_history else None
+        rows = SamplingBatch.from_rows(
+            params, keys, positions, prompt_ids, output_ids, self.vocab_size, logits.device
+        )
+        out = sample(logits, rows)
+        tokens = out.tokens.tolist()
+        logprobs = out.logprobs.tolist()
+        draws: list[list[Draw]] = []
+        i = 0
+        for chunk in batch.chunks:
+            if chunk.samples:
+                k = len(chunk.seq.targets)
+                draws.append([Draw(t, lp) for t, lp in zip(tokens[i : i + k], logprobs[i : i + k])])
+                i += k
+        return draws
+
+    def _check_stop_strings(self, batch: Batch) -> list[Sequence]:
+        """Finish sequences whose output text now contains a stop string (matched across token
+        boundaries); their text is cut before the earliest match.
+
+        A new match must involve the newest token (older text was checked in earlier steps), so
+        only the last few tokens are decoded each step; the full text is decoded on a hit.
+        """
+        if self.detokenize is None:
+            return []
+        finished = []
+        for seq in list(self.scheduler.running):
+            stops = seq.params.stop
+            if not stops or seq.num_output_tokens == 0:
+                continue
+            tail = self.detokenize(seq.output_ids[-(max(map(len, stops)) + 2) :])
+            if not any(s in tail for s in stops):
+                continue
+            text = self.detokenize(seq.output_ids)
+            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+            if not hits:
+                continue
+            seq.text = text[: min(hits)]
+            self.scheduler.finish(seq, FinishReason.STOP)
+            finished.append(seq)
+        return finished
+
+    def _account(self, batch: Batch) -> None:
+        bs = self.config.block_size
+        self.stats.steps += 1
+        self.stats.computed_tokens += batch.num_tokens
+        self.stats.allocated_slots += self.pool.num_used * bs
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            self.stats.unused_slots += len(seq.block_table) * bs - (chunk.start + chunk.num_tokens)
+
+    @staticmethod
+    def _result(seq: Sequence) -> SampleResult:
+        assert seq.forked and seq.finish_reason is not None
+        return SampleResult(
+            target=seq.targets[0],
+            token_ids=seq.output_ids,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            token_logprobs=list(seq.token_logprobs) if seq.params.logprobs else None,
+            text=seq.text,
+        )

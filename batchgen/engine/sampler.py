@@ -1,0 +1,496 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p, and a reproducible draw.
+
+Everything here is a pure function of its inputs and is vectorised over the rows of a step (no
+Python loop over rows for the maths, no ``.item()``), so it runs the same on CPU and CUDA.
+
+Reproducibility. A sample's random stream is named by a 63-bit key (``rng_key``: seed, row id and
+sample index). The noise for the token at ``position`` is a counter-based hash of (key, position,
+vocab id): it does not depend on what else is in the batch, on the order of rows, or on how many
+steps ran before, so a sample resumed after an interruption draws the same tokens. The draw is an
+exponential race (the Gumbel-max trick in another form): ``argmax_i p_i / E_i`` with independent
+``E_i ~ Exp(1)`` picks token ``i`` with probability ``p_i``, and needs no cumulative sums, so it
+is exact per row whatever the batch shape.
+
+Row-wise invariance. Per-row maths uses only ops whose result for one row does not depend on the
+other rows: elementwise ops, ``softmax``/``log_softmax`` (row kernels), ``sort``/``cumsum`` along
+the row, ``argmax``/``amax`` (exact). Reductions such as ``logsumexp`` or ``sum`` are avoided on
+[S, V] because their summation order may depend on the batch shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from batchgen.engine.request import SamplingParams
+
+# ---------------------------------------------------------------------------------------------
+# Stream keys
+# ---------------------------------------------------------------------------------------------
+
+_KEY_DOMAIN = "batchgen.rng.v1"  # bump only on purpose: it changes every seeded output
+_MASK63 = (1 << 63) - 1
+
+
+def rng_key(seed: int, row_id: int | str, sample_index: int) -> int:
+    """The 63-bit key of the random stream of sample ``sample_index`` of input row ``row_id``.
+
+    A BLAKE2b digest of a canonical JSON encoding, so it is the same in every process and on every
+    machine (Python's ``hash()`` is salted per process and is not used). The integer id ``7`` and
+    the string id ``"7"`` get different keys. The result fits a non-negative int64.
+    """
+    seed = operator.index(seed)
+    sample_index = operator.index(sample_index)
+    if isinstance(row_id, str):
+        rid: int | str = row_id
+    else:
+        try:
+            rid = operator.index(row_id)  # accepts numpy / arrow integer scalars
+        except TypeError:
+            raise TypeError(
+                f"row id must be an int or a str, got {type(row_id).__name__}"
+            ) from None
+    payload = json.dumps([_KEY_DOMAIN, seed, rid, sample_index], separators=(",", ":"))
+    digest = hashlib.blake2b(payload.encode("ascii"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK63
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based noise (splitmix64 on int64 tensors)
+# ---------------------------------------------------------------------------------------------
+
+
+def _signed64(x: int) -> int:
+    """Reinterpret the low 64 bits of ``x`` as a two's-complement int64 (torch has no uint64 maths)."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+_GAMMA = _signed64(0x9E3779B97F4A7C15)  # splitmix64 increment (odd: a full-period counter step)
+_MUL1 = _signed64(0xBF58476D1CE4E5B9)
+_MUL2 = _signed64(0x94D049BB133111EB)
+_MIX_STEPS = ((30, _MUL1), (27, _MUL2), (31, None))
+_LOW24 = (1 << 24) - 1
+
+
+def _low_mask(bits: int) -> int:
+    """``bits`` ones in the low bits: after an arithmetic ``>> (64 - bits)`` it clears the sign fill."""
+    return (1 << bits) - 1
+
+
+def _mix64_(z: Tensor, tmp: Tensor) -> Tensor:
+    """splitmix64's output function, in place on int64 ``z`` (any shape); ``tmp`` is scratch.
+
+    Multiplication wraps modulo 2**64 on int64 tensors, which is exactly the unsigned arithmetic
+    of the reference; a logical right shift is an arithmetic one with the sign fill masked off.
+    """
+    for shift, mult in _MIX_STEPS:
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp.bitwise_and_(_low_mask(64 - shift))
+        z.bitwise_xor_(tmp)
+        if mult is not None:
+            z.mul_(mult)
+    return z
+
+
+def _mix64(x: Tensor) -> Tensor:
+    """Out-of-place ``_mix64_`` (for small [S] tensors)."""
+    z = x.clone()
+    return _mix64_(z, torch.empty_like(z))
+
+
+def _row_state(rng_key: Tensor, position: Tensor) -> Tensor:
+    """Per-(key, position) 64-bit state, [S] int64: the ``position``-th splitmix64 output of the
+    stream seeded by the mixed key. Distinct positions give distinct states for a key."""
+    return _mix64(_mix64(rng_key) + position * _GAMMA)
+
+
+def _uniform_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
+    """Uniform noise for the given vocab ids: [S, K] float32 in (0, 1).
+
+    rng_key, position: [S] int64. ids: [S, K] or [1, K] int64 vocab ids. The value at (r, j)
+    depends only on (rng_key[r], position[r], ids[r, j]); so noise gathered at a permutation of the
+    vocabulary equals the same permutation of the noise over the whole vocabulary.
+    """
+    state = _row_state(rng_key, position)  # [S]
+    z = (ids + 1) * _GAMMA + state[:, None]  # [S, K] int64, a splitmix64 counter per vocab id
+    tmp = torch.empty_like(z)
+    _mix64_(z, tmp)
+    # 48 random bits as hi * 2**-24 + lo * 2**-48. Each half is a 24-bit integer (exact in
+    # float32) and the scalings are powers of two, so the only rounding is one IEEE add: the result
+    # is bit-identical on every device and code path, and small values keep full relative
+    # precision (they decide the rare low-probability tokens in the race).
+    torch.bitwise_right_shift(z, 40, out=tmp)
+    u = tmp.bitwise_and_(_LOW24).to(torch.float32).mul_(2.0**-24)  # [S, K]
+    torch.bitwise_right_shift(z, 16, out=tmp)
+    u.add_(tmp.bitwise_and_(_LOW24).to(torch.float32).mul_(2.0**-48))
+    # Keep strictly inside (0, 1): 0 has probability 2**-48; the sum can round up to 1.0.
+    return u.clamp_(2.0**-49, 1.0 - 2.0**-24)
+
+
+def uniform_noise(rng_key: Tensor, position: Tensor, vocab_size: int) -> Tensor:
+    """Uniform noise over the whole vocabulary: [S, V] float32, values strictly in (0, 1).
+
+    rng_key, position: [S] int64. Row r depends only on (rng_key[r], position[r]) and the vocab
+    index, never on the other rows: batch-invariant and reproducible across processes.
+    """
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=rng_key.device)[None, :]  # [1, V]
+    return _uniform_at(rng_key, position, ids)
+
+
+def _exponential_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
+    """Exp(1) variates for the given vocab ids, [S, K] float32 (positive, finite).
+
+    ``E = -log(1 - u)``: the same law as ``-log(u)``, but small ``E`` (the winners of the race)
+    come from small ``u``, where float32 has the most precision.
+    """
+    return _uniform_at(rng_key, position, ids).neg_().log1p_().neg_()
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-step batch of sampling settings
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_sampling_params(p: SamplingParams) -> None:
+    """Raise ValueError if ``p`` has values the sampler cannot honour (call once per request)."""
+    problems = []
+    if not (math.isfinite(p.temperature) and p.temperature >= 0.0):
+        problems.append(f"temperature must be >= 0, got {p.temperature}")
+    if not (0.0 < p.top_p <= 1.0):
+        problems.append(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        problems.append(f"top_k must be >= 0 (0 = off), got {p.top_k}")
+    if not (0.0 <= p.min_p <= 1.0):
+        problems.append(f"min_p must be in [0, 1], got {p.min_p}")
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0.0):
+        problems.append(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(p, name)):
+            problems.append(f"{name} must be finite, got {getattr(p, name)}")
+    if problems:
+        raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+
+def _pad_ids(seqs: Sequence[Sequence[int]], pad: int) -> Tensor:
+    """Right-pad token id sequences into [S, L] int64 (CPU) with ``pad``; L >= 1."""
+    lengths = [len(s) for s in seqs]
+    out = torch.full((len(seqs), max(lengths, default=0) or 1), pad, dtype=torch.int64)
+    total = sum(lengths)
+    if total:
+        flat = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64)  # [T]
+        lens = torch.tensor(lengths, dtype=torch.int64)  # [S]
+        rows = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [T]
+        starts = torch.cumsum(lens, 0) - lens  # [S]
+        cols = torch.arange(total) - torch.repeat_interleave(starts, lens)  # [T]
+        out[rows, cols] = flat
+    return out
+
+
+def _index_or_none(rows: list[int], total: int, device: torch.device | str) -> Tensor | None:
+    """[R] int64 index tensor for ``rows``, or None when they are all of ``range(total)``."""
+    if len(rows) == total:
+        return None
+    return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+@dataclass
+class SamplingBatch:
+    """Sampling settings for the S samples drawn in one step, one row each; build with from_rows.
+
+    The Python flags let the common cases skip work (no sort when no row uses top-k/top-p, no
+    noise when every row is greedy, no penalty tensors when no row has a penalty). Flags about
+    filtering consider the non-greedy rows only: greedy rows ignore top-k/top-p/min-p.
+    """
+
+    temperature: Tensor  # [S] float32, 0 = greedy
+    top_p: Tensor  # [S] float32
+    top_k: Tensor  # [S] int64, 0 = off
+    min_p: Tensor  # [S] float32
+    repetition_penalty: Tensor  # [S] float32
+    presence_penalty: Tensor  # [S] float32
+    frequency_penalty: Tensor  # [S] float32
+    rng_key: Tensor  # [S] int64, the sample's stream key
+    position: Tensor  # [S] int64, index (in prompt + output) of the token being drawn
+    prompt_ids: Tensor | None  # [S, Lp] int64 padded with vocab_size; set iff any_repetition
+    output_ids: Tensor | None  # [S, Lo] int64 padded with vocab_size; set iff any_penalty
+    vocab_size: int
+    all_greedy: bool
+    any_greedy: bool
+    any_penalty: bool
+    any_repetition: bool  # some row has repetition_penalty != 1
+    any_additive_penalty: bool  # some row has a presence or frequency penalty != 0
+    any_top_k: bool  # some non-greedy row has 0 < top_k < vocab_size
+    any_top_p: bool  # some non-greedy row has top_p < 1
+    any_min_p: bool  # some non-greedy row has min_p > 0
+    # Row partitions, made on the host so that no device sync is needed. Indices are None when
+    # the part is every row of its parent (no gather needed).
+    random_rows: Tensor | None  # [R] rows of the batch that are not greedy
+    sorted_rows: Tensor | None  # [Q] rows of the random part that use top-k or top-p
+    plain_rows: Tensor | None  # [R - Q] rows of the random part that need no sort
+    any_sorted: bool
+    any_plain: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def from_rows(
+        cls,
+        params: list[SamplingParams],
+        rng_keys: list[int],
+        positions: list[int],
+        prompt_ids: list[Sequence[int]] | None,
+        output_ids: list[Sequence[int]] | None,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """Pack per-sample settings into tensors on ``device`` (a few host-to-device copies).
+
+        ``prompt_ids`` / ``output_ids`` (the sample's prompt and its tokens so far) are read only
+        when some row has a penalty; they may be None otherwise.
+        """
+        n = len(params)
+        if not (len(rng_keys) == len(positions) == n):
+            raise ValueError("params, rng_keys and positions must have one entry per row")
+        if n == 0:
+            raise ValueError("a sampling batch needs at least one row")
+
+        greedy = [p.temperature == 0.0 for p in params]
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        uses_top_k = [0 < params[i].top_k < vocab_size for i in random_rows]
+        uses_top_p = [params[i].top_p < 1.0 for i in random_rows]
+        needs_sort = [k or p for k, p in zip(uses_top_k, uses_top_p, strict=True)]
+        any_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        any_additive = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        any_penalty = any_repetition or any_additive
+
+        floats = torch.tensor(
+            [
+                [p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.repetition_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
+            ],
+            dtype=torch.float32,
+        ).to(device)  # [6, S]
+        ints = torch.tensor(
+            [[p.top_k for p in params], list(rng_keys), list(positions)], dtype=torch.int64
+        ).to(device)  # [3, S]
+
+        prompt_t = output_t = None
+        if any_penalty:
+            if output_ids is None or (any_repetition and prompt_ids is None):
+                raise ValueError("penalties need the rows' prompt_ids and output_ids")
+            if len(output_ids) != n or (any_repetition and len(prompt_ids) != n):
+                raise ValueError("prompt_ids and output_ids must have one entry per row")
+            output_t = _pad_ids(output_ids, vocab_size).to(device)
+            if any_repetition:
+                prompt_t = _pad_ids(prompt_ids, vocab_size).to(device)
+
+        sorted_sub = [j for j, s in enumerate(needs_sort) if s]
+        plain_sub = [j for j, s in enumerate(needs_sort) if not s]
+        return cls(
+            temperature=floats[0],
+            top_p=floats[1],
+            top_k=ints[0],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            presence_penalty=floats[4],
+            frequency_penalty=floats[5],
+            rng_key=ints[1],
+            position=ints[2],
+            prompt_ids=prompt_t,
+            output_ids=output_t,
+            vocab_size=vocab_size,
+            all_greedy=not random_rows,
+            any_greedy=len(random_rows) < n,
+            any_penalty=any_penalty,
+            any_repetition=any_repetition,
+            any_additive_penalty=any_additive,
+            any_top_k=any(uses_top_k),
+            any_top_p=any(uses_top_p),
+            any_min_p=any(params[i].min_p > 0.0 for i in random_rows),
+            random_rows=_index_or_none(random_rows, n, device),
+            sorted_rows=_index_or_none(sorted_sub, len(random_rows), device),
+            plain_rows=_index_or_none(plain_sub, len(random_rows), device),
+            any_sorted=bool(sorted_sub),
+            any_plain=bool(plain_sub),
+        )
+
+
+@dataclass
+class SampleOutput:
+    tokens: Tensor  # [S] int64
+    logprobs: Tensor  # [S] float32: log_softmax of the raw logits (before penalties) at the token
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalties
+# ---------------------------------------------------------------------------------------------
+
+
+def _counts(ids: Tensor, vocab_size: int) -> Tensor:
+    """Occurrences of each vocab id per row: [S, V] float32 from [S, L] ids padded with V."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))  # [S, V + 1]
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Repetition, then frequency and presence penalties; returns new [S, V] logits.
+
+    - repetition (HF / vLLM): for tokens seen in prompt or output, positive logits are divided by
+      the penalty and negative ones multiplied by it;
+    - frequency and presence (OpenAI): over output tokens only, subtract
+      ``frequency * count + presence * (count > 0)``.
+    Rows whose penalties are neutral (1, 0, 0) come out bit-identical: x / 1, x * 1 and x - 0 are
+    exact, so a row's result never depends on its neighbours' settings.
+    """
+    if not batch.any_penalty:
+        return logits
+    vocab_size = logits.shape[1]
+    assert batch.output_ids is not None, "SamplingBatch built without output_ids"
+    out_counts = _counts(batch.output_ids, vocab_size)  # [S, V]
+    out_seen = out_counts > 0  # [S, V] bool
+    if batch.any_repetition:
+        assert batch.prompt_ids is not None, "SamplingBatch built without prompt_ids"
+        seen = torch.zeros(
+            logits.shape[0], vocab_size + 1, dtype=torch.bool, device=logits.device
+        ).scatter_(1, batch.prompt_ids, True)[:, :vocab_size]  # [S, V]
+        seen |= out_seen
+        r = batch.repetition_penalty[:, None]  # [S, 1]
+        penalised = torch.where(logits > 0, logits / r, logits * r)  # [S, V]
+        logits = torch.where(seen, penalised, logits)
+    if batch.any_additive_penalty:
+        logits = logits - batch.frequency_penalty[:, None] * out_counts
+        logits = logits - batch.presence_penalty[:, None] * out_seen.to(logits.dtype)
+    return logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Drawing
+# ---------------------------------------------------------------------------------------------
+
+
+def _take(x: Tensor, rows: Tensor | None) -> Tensor:
+    """Rows ``rows`` of ``x`` (all of it when None)."""
+    return x if rows is None else x.index_select(0, rows)
+
+
+def _draw_plain(
+    scaled: Tensor, min_p: Tensor, rng_key: Tensor, position: Tensor, use_min_p: bool
+) -> Tensor:
+    """Draw from softmax(scaled) with optional min-p, no sort: [R, V] -> [R] int64."""
+    probs = torch.softmax(scaled, dim=-1)  # [R, V]
+    if use_min_p:
+        p_max = probs.amax(dim=-1, keepdim=True)  # [R, 1], exact
+        probs = probs.masked_fill(probs < min_p[:, None] * p_max, 0.0)
+    # Filtered probabilities need no renormalisation: the race's argmax is scale-invariant.
+    ids = torch.arange(scaled.shape[1], dtype=torch.int64, device=scaled.device)[None, :]
+    race = probs.div_(_exponential_at(rng_key, position, ids))  # [R, V]
+    return race.argmax(dim=-1)
+
+
+def _draw_sorted(
+    scaled: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    rng_key: Tensor,
+    position: Tensor,
+    use_top_k: bool,
+    use_top_p: bool,
+    use_min_p: bool,
+) -> Tensor:
+    """Draw with top-k / top-p (and min-p) in sorted order: [R, V] -> [R] int64.
+
+    The row is sorted by logit, descending, ties by vocab id (stable sort), which fixes exactly
+    which tokens top-k and top-p keep. The noise is hashed at the sorted ids, so no un-sorting is
+    needed.
+    """
+    vocab_size = scaled.shape[1]
+    sorted_logits, ids = scaled.sort(dim=-1, descending=True, stable=True)  # [R, V] each
+    probs = torch.softmax(sorted_logits, dim=-1)  # [R, V], descending
+    if use_top_k:
+        k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)  # [R]
+        rank = torch.arange(vocab_size, device=scaled.device)[None, :]  # [1, V]
+        probs = probs.masked_fill(rank >= k[:, None], 0.0)
+    if use_top_p:
+        cum = probs.cumsum(dim=-1)  # [R, V], along the row only
+        mass = cum[:, -1:]  # [R, 1]: what top-k left (1 up to rounding)
+        before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # [R, V] exclusive cumsum
+        # The smallest prefix whose (renormalised) mass reaches top_p: keep a token iff the mass
+        # before it is still short of top_p. The top token has 0 before it and is always kept;
+        # rows with top_p >= 1 keep everything (rounding must not cut their tail).
+        short = before < top_p[:, None] * mass  # [R, V]
+        probs = probs.masked_fill(~(short | (top_p[:, None] >= 1.0)), 0.0)
+    if use_min_p:
+        probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
+    race = probs.div_(_exponential_at(rng_key, position, ids))  # [R, V]
+    winner = race.argmax(dim=-1, keepdim=True)  # [R, 1] rank of the drawn token
+    return ids.gather(1, winner).squeeze(1)
+
+
+def _draw(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Tokens for the non-greedy rows: [R, V] penalised logits -> [R] int64."""
+    rows = batch.random_rows
+    temperature = _take(batch.temperature, rows)  # [R]
+    top_k, top_p = _take(batch.top_k, rows), _take(batch.top_p, rows)
+    min_p = _take(batch.min_p, rows)
+    key, pos = _take(batch.rng_key, rows), _take(batch.position, rows)
+    scaled = logits / temperature[:, None]  # [R, V]
+
+    if not batch.any_sorted:
+        return _draw_plain(scaled, min_p, key, pos, batch.any_min_p)
+    if not batch.any_plain:
+        return _draw_sorted(
+            scaled, top_k, top_p, min_p, key, pos,
+            batch.any_top_k, batch.any_top_p, batch.any_min_p,
+        )  # fmt: skip
+    # Mixed: sort only the rows that filter by rank or mass; put both parts back in place.
+    s, p = batch.sorted_rows, batch.plain_rows
+    tokens = torch.empty(scaled.shape[0], dtype=torch.int64, device=scaled.device)  # [R]
+    tokens[s] = _draw_sorted(
+        _take(scaled, s), _take(top_k, s), _take(top_p, s), _take(min_p, s),
+        _take(key, s), _take(pos, s), batch.any_top_k, batch.any_top_p, batch.any_min_p,
+    )  # fmt: skip
+    tokens[p] = _draw_plain(
+        _take(scaled, p), _take(min_p, p), _take(key, p), _take(pos, p), batch.any_min_p
+    )
+    return tokens
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
+    """Draw one token per row.
+
+    logits: [S, V] raw model logits (cast to float32). Penalties apply to every row, greedy ones
+    included; greedy rows then take the first maximum. Other rows: divide by temperature, softmax,
+    top-k, top-p (smallest set with mass >= top_p, the top token always kept), min-p (keep
+    ``p >= min_p * p_max``), then the exponential race ``argmax p / E`` with ``E`` hashed from
+    (rng_key, position, vocab id). ``logprobs`` are those of the raw logits (vLLM's default).
+    """
+    raw = logits.float()  # [S, V]
+    logits = apply_penalties(raw, batch)  # [S, V]
+    if batch.all_greedy:
+        tokens = logits.argmax(dim=-1)  # [S]
+    elif not batch.any_greedy:
+        tokens = _draw(logits, batch)  # [S]
+    else:
+        tokens = logits.argmax(dim=-1)  # [S]; the random rows are overwritten
+        tokens[batch.random_rows] = _draw(_take(logits, batch.random_rows), batch)
+    # log_softmax is a row kernel (a row's value does not depend on the batch shape), unlike
+    # logsumexp; the [S, V] intermediate costs one pass.
+    logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [S]
+    return SampleOutput(tokens=tokens, logprobs=logprobs)

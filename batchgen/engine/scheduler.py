@@ -1,0 +1,341 @@
+"""Continuous batching: which tokens of which sequences the next forward pass computes.
+
+Each step fills a token budget: running sequences first (decodes and unfinished prefill chunks,
+oldest first), then new sequences from the waiting queue (FIFO, each starting after its longest
+cached prefix). When KV blocks run out, unlocked radix-cache leaves are evicted first, then the
+newest running sequences are preempted: their blocks are released and they are recomputed later
+(mostly from the prefix cache). A request with several targets is computed once and forked into
+one sequence per target when its prompt is done. No torch here: the scheduler is plain data.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+
+from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.request import (
+    FinishReason,
+    Request,
+    SeqStatus,
+    Sequence,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    # Admission keeps this many blocks free for the running sequences to grow into, so that a
+    # burst of admissions is not immediately followed by preemptions.
+    watermark_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens ``seq.token_ids[start : start + num_tokens]`` are computed this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so its last token's logits are
+        sampled (once per target of the sequence)."""
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class Batch:
+    chunks: list[Chunk] = field(default_factory=list)
+    # (src, dst) block copies to perform before the forward pass (copy-on-write).
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One sampled token for one target of a sampling chunk."""
+
+    token: int
+    logprob: float
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        cache,  # RadixCache or NullCache (same interface)
+        eos_token_ids: SequenceABC[int] = (),
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.cache = cache
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.peak_blocks_used = 0
+        self._root = cache.match(()).handle
+
+    # -- queue -----------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(
+            Sequence(
+                request=request,
+                targets=request.targets,
+                token_ids=list(request.prompt_token_ids),
+                num_prompt_tokens=len(request.prompt_token_ids),
+                cache_handle=self._root,
+            )
+        )
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting_targets(self) -> int:
+        return sum(len(s.targets) for s in self.waiting)
+
+    # -- scheduling --------------------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+
+        # 1. Running sequences, oldest first; victims of preemption are taken from the end.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            while not self._reserve(seq, n, batch):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                batch.chunks.append(Chunk(seq, seq.num_computed, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: it was the newest, nothing follows it
+
+        # 2. Admit waiting sequences while budget, sequence slots and blocks allow.
+        slots = sum(len(s.targets) for s in self.running)
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if slots + len(seq.targets) > self.config.max_num_seqs and self.running:
+                break
+            if not self._admit(seq, budget, batch):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            slots += len(seq.targets)
+            chunk = batch.chunks[-1]
+            budget -= chunk.num_tokens
+
+        self.peak_blocks_used = max(self.peak_blocks_used, self.pool.num_used)
+        return batch
+
+    def _admit(self, seq: Sequence, budget: int, batch: Batch) -> bool:
+        """Give ``seq`` its cached prefix and blocks for a first chunk; False if it must wait."""
+        bs = self.config.block_size
+        # Leave at least one token to compute: the last prompt token's logits are needed.
+        match = self.cache.match(seq.token_ids, max_blocks=(len(seq.token_ids) - 1) // bs)
+        cached = len(match.blocks) * bs
+        if self._shares_uncached_prefix(seq, cached, batch):
+            # A sequence computed in this very step shares at least one more block with this one:
+            # wait a step and take it from the cache instead of computing it twice.
+            return False
+        n = min(len(seq.token_ids) - cached, budget)
+        need = -(-(cached + n) // bs) - len(match.blocks)
+        # Hold the matched blocks before evicting, so eviction cannot take them.
+        self.pool.incref(match.blocks)
+        self.cache.lock(match.handle)
+        watermark = self.config.watermark_blocks if self.running else 0
+        if not self._make_free(need + watermark):
+            self.cache.unlock(match.handle)
+            self.pool.decref(match.blocks)
+            return False
+        seq.block_table = list(match.blocks) + self.pool.allocate(need)
+        seq.cache_handle = match.handle
+        seq.num_computed = cached
+        seq.num_blocks_in_cache = len(match.blocks)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = cached
+        seq.status = SeqStatus.RUNNING
+        batch.chunks.append(Chunk(seq, cached, n))
+        return True
+
+    def _shares_uncached_prefix(self, seq: Sequence, cached: int, batch: Batch) -> bool:
+        end = cached + self.config.block_size
+        if end >= len(seq.token_ids):
+            return False
+        head = seq.token_ids[:end]
+        return any(
+            c.start < end <= len(c.seq.token_ids) and c.seq.token_ids[:end] == head
+            for c in batch.chunks
+        )
+
+    def _reserve(self, seq: Sequence, n: int, batch: Batch) -> bool:
+        """Make the blocks for ``seq``'s next ``n`` tokens writable; False if blocks ran out."""
+        bs = self.config.block_size
+        start = seq.num_computed
+        need = -(-(start + n) // bs) - len(seq.block_table)
+        cow = start % bs != 0 and self.pool.refcount(seq.block_table[start // bs]) > 1
+        if not self._make_free(need + cow):
+            return False
+        if cow:
+            # The block being appended to is shared with a fork: write into a private copy.
+            idx = start // bs
+            (copy,) = self.pool.allocate(1)
+            batch.copies.append((seq.block_table[idx], copy))
+            self.pool.decref([seq.block_table[idx]])
+            seq.block_table[idx] = copy
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _make_free(self, n: int) -> bool:
+        if n <= self.pool.num_free:
+            return True
+        self.cache.evict(n - self.pool.num_free)
+        return n <= self.pool.num_free
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.decref(seq.block_table)
+        self.cache.unlock(seq.cache_handle)
+        seq.block_table = []
+        seq.cache_handle = self._root
+        seq.num_blocks_in_cache = 0
+
+    # -- after the forward pass ------------------------------------------------------------------
+
+    def update(self, batch: Batch, draws: list[list[Draw]]) -> list[Sequence]:
+        """Record the computed chunks and the sampled tokens; return the sequences that finished.
+
+        ``draws`` has one list per sampling chunk of ``batch`` (in order), with one Draw per
+        target of that chunk's sequence.
+        """
+        finished: list[Sequence] = []
+        sampled = iter(draws)
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            self._cache_full_blocks(seq)
+            if not chunk.samples:
+                continue
+            seq_draws = next(sampled)
+            for child, draw in zip(self._fork(seq), seq_draws, strict=True):
+                child.token_ids.append(draw.token)
+                if child.params.logprobs:
+                    child.token_logprobs.append(draw.logprob)
+                reason = self._finish_reason(child, draw.token)
+                if reason is not None:
+                    self.finish(child, reason)
+                    finished.append(child)
+        return finished
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Retire a running sequence (also used by the engine for stop strings)."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self._release(seq)
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Split a sequence that stands for several targets into one per target; the children
+        share every block (one more reference each) and the radix lock."""
+        if seq.forked:
+            return [seq]
+        children = [seq]
+        for target in seq.targets[1:]:
+            self.pool.incref(seq.block_table)
+            self.cache.lock(seq.cache_handle)
+            children.append(
+                Sequence(
+                    request=seq.request,
+                    targets=(target,),
+                    token_ids=list(seq.token_ids),
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    cache_handle=seq.cache_handle,
+                    num_computed=seq.num_computed,
+                    block_table=list(seq.block_table),
+                    # Only the first sample is charged for computing the prompt.
+                    num_cached_tokens=seq.num_prompt_tokens,
+                    num_blocks_in_cache=seq.num_blocks_in_cache,
+                    status=SeqStatus.RUNNING,
+                )
+            )
+        seq.targets = seq.targets[:1]
+        pos = self.running.index(seq) + 1
+        self.running[pos:pos] = children[1:]
+        return children
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Insert newly completed blocks into the prefix cache and move the lock to them."""
+        full = seq.num_computed // self.config.block_size
+        if full <= seq.num_blocks_in_cache:
+            return
+        handle = self.cache.insert(
+            seq.token_ids[: full * self.config.block_size], seq.block_table[:full]
+        )
+        self.cache.lock(handle)
+        self.cache.unlock(seq.cache_handle)
+        seq.cache_handle = handle
+        seq.num_blocks_in_cache = full
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if len(seq.token_ids) >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # -- invariants --------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Assert that every block is accounted for: free, owned by the cache, or held by a
+        running sequence, with refcounts equal to the number of holders."""
+        self.pool.check()
+        self.cache.check()
+        holders = [0] * self.pool.num_blocks
+        for b in self.cache.owned_blocks():
+            holders[b] += 1
+        for seq in self.running:
+            bs = self.config.block_size
+            assert len(seq.block_table) * bs >= seq.num_computed
+            for b in seq.block_table:
+                holders[b] += 1
+        for seq in self.waiting:
+            assert not seq.block_table and seq.num_computed == 0
+        for b, count in enumerate(holders):
+            assert self.pool.refcount(b) == count, f"block {b}: refcount {self.pool.refcount(b)}, holders {count}"
+

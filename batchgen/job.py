@@ -1,0 +1,521 @@
+"""The job file: its schema, defaults, ``--set`` overrides, validation and fingerprint.
+
+The schema mirrors SPEC "The job file" key for key. Every model forbids unknown keys and is
+frozen: a job, once loaded, is never written back (numbers derived at run time are returned by
+whoever derives them). Types are strict, because YAML already gives every value a type: ``n: "2"``
+or ``temperature: true`` is a mistake to report, not a value to coerce.
+
+Every problem becomes a :class:`~batchgen.errors.JobError` whose message is one line that names
+the key, e.g. ``unknown key 'sampling.temprature' (did you mean 'temperature'?)``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from batchgen.errors import JobError
+
+# --------------------------------------------------------------------------- value types
+
+
+def _yaml_float(value: Any) -> Any:
+    """Accept ``1e-3`` for a float: PyYAML (YAML 1.1) reads an exponent without a dot as a string."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+# A finite float; ints are accepted (strict mode allows int -> float), bools are not.
+Float = Annotated[float, BeforeValidator(_yaml_float), Field(allow_inf_nan=False)]
+
+_MEMORY_RE = re.compile(
+    r"^\s*(?P<num>\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*(?P<unit>[kmgt]?i?b?)\s*$", re.IGNORECASE
+)
+_MEMORY_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_memory(value: Any) -> int | Literal["auto"]:
+    """Parse a memory size: an int of bytes, ``"auto"``, or a string such as ``"4GiB"``.
+
+    ``KiB/MiB/GiB/TiB`` (and the bare letters ``K/M/G/T``) are powers of 1024; ``KB/MB/GB/TB``
+    are powers of 1000; ``B`` or no unit means bytes. The result is a positive int or ``"auto"``.
+    """
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        raise ValueError('must be a number of bytes, a size like "4GiB", or "auto"')
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError("must be at least 1 byte")
+        return value
+    if isinstance(value, str) and (m := _MEMORY_RE.match(value)):
+        unit = m["unit"].lower()
+        letter = unit[:1] if unit[:1] in "kmgt" else ""
+        # "KB" is decimal; "KiB" and a bare "K" are binary.
+        base = 1000 if (letter and unit.endswith("b") and "i" not in unit) else 1024
+        if unit in ("i", "ib") or (not letter and unit not in ("", "b")):
+            raise ValueError(f"unknown unit in memory size {value!r}")
+        size = int(float(m["num"]) * base ** _MEMORY_POWERS[letter])
+        if size < 1:
+            raise ValueError("must be at least 1 byte")
+        return size
+    raise ValueError('must be a number of bytes, a size like "4GiB" or "512MB", or "auto"')
+
+
+MemorySize = Annotated[int | Literal["auto"], PlainValidator(parse_memory)]
+
+
+def _none_as_empty(value: Any) -> Any:
+    """``stop:`` with nothing after it is an empty list, not a type error."""
+    return () if value is None else value
+
+
+def _str_as_list(value: Any) -> Any:
+    """``stop: "###"`` means one stop string (as in vLLM); null means none."""
+    if isinstance(value, str):
+        return (value,)
+    return _none_as_empty(value)
+
+
+StrList = Annotated[
+    tuple[Annotated[str, Field(min_length=1)], ...],
+    BeforeValidator(_str_as_list),
+    Field(strict=False),  # accept a YAML list for the tuple; the items stay strict
+]
+IntList = Annotated[
+    tuple[Annotated[int, Field(ge=0)], ...],
+    BeforeValidator(_none_as_empty),
+    Field(strict=False),
+]
+
+
+def _path(value: Any) -> Any:
+    """A YAML string becomes a Path; anything else is an error."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return Path(value)
+    if isinstance(value, Path):
+        return value
+    raise ValueError("must be a path (a string)")
+
+
+PathValue = Annotated[Path, BeforeValidator(_path)]
+
+
+class _Section(BaseModel):
+    """Base of every job-file model: unknown keys are errors, values are strict, frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# --------------------------------------------------------------------------- the schema
+
+
+class InputConfig(_Section):
+    """``input:``: where the rows come from.
+
+    Exactly one of ``prompt_column`` and ``messages_column`` is set. ``prompt_column`` defaults
+    to ``"prompt"`` unless ``messages_column`` is given. ``path`` is a string, not a Path,
+    because it may be a glob; after :func:`load_job` it is absolute.
+
+    Extension (not in SPEC): ``window_rows``, the number of rows read, tokenized and ordered by
+    shared prefix together. Larger windows find more shared prefixes and hold more rows in
+    memory. It does not change results, so it is not in the fingerprint.
+    """
+
+    path: str = Field(min_length=1)
+    prompt_column: str | None = Field(default="prompt", min_length=1)
+    messages_column: str | None = Field(default=None, min_length=1)
+    id_column: str | None = Field(default="id", min_length=1)
+    keep_columns: StrList = ()
+    window_rows: int = Field(default=10000, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_default_yields_to_messages(cls, data: Any) -> Any:
+        # The "prompt" default applies only while messages_column is null.
+        if isinstance(data, Mapping) and data.get("messages_column") is not None:
+            data = {"prompt_column": None, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt_source(self) -> InputConfig:
+        if self.prompt_column is not None and self.messages_column is not None:
+            raise ValueError("set only one of prompt_column and messages_column")
+        if self.prompt_column is None and self.messages_column is None:
+            raise ValueError("set one of prompt_column and messages_column")
+        if len(set(self.keep_columns)) != len(self.keep_columns):
+            raise ValueError("keep_columns lists a column twice")
+        return self
+
+
+class OutputConfig(_Section):
+    """``output:``: the results folder.
+
+    Extensions (not in SPEC): finished rows are committed to disk (a new part file and the
+    manifest) once ``commit_rows`` output rows are buffered or ``commit_seconds`` have passed
+    since the last commit, whichever comes first. They bound the work lost to a crash; they do
+    not change results and are not in the fingerprint.
+    """
+
+    path: PathValue
+    commit_rows: int = Field(default=1000, ge=1)
+    commit_seconds: Float = Field(default=5.0, gt=0)
+
+
+class SamplingConfig(_Section):
+    """``sampling:``: how tokens are drawn (all of it is in the fingerprint)."""
+
+    n: int = Field(default=1, ge=1)
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: Float = Field(default=1.0, ge=0)  # 0 means greedy
+    top_p: Float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)  # 0 means off
+    min_p: Float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: Float = Field(default=1.0, gt=0)
+    presence_penalty: Float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Float = Field(default=0.0, ge=-2, le=2)
+    stop: StrList = ()
+    stop_token_ids: IntList = ()
+    ignore_eos: bool = False
+    seed: int = Field(default=0, ge=0)
+    logprobs: bool = False
+
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class EngineConfig(_Section):
+    """``engine:``: how the work is done. Not in the fingerprint: a job may resume with others.
+
+    ``kv_cache_memory`` is a positive int of bytes or ``"auto"`` after validation.
+    """
+
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    block_size: int = Field(default=16, ge=1)
+    kv_cache_memory: MemorySize = "auto"
+    kv_cache_blocks: int | None = Field(default=None, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    prefix_caching: bool = True
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not _DEVICE_RE.match(value):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return value
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("must be a power of two")
+        return value
+
+
+class Job(_Section):
+    """A whole job file. ``model``, ``input.path`` and ``output.path`` are required.
+
+    After :func:`load_job`, ``model``, ``input.path`` and ``output.path`` are absolute.
+    """
+
+    model: PathValue
+    input: InputConfig
+    output: OutputConfig
+    sampling: SamplingConfig = SamplingConfig()
+    engine: EngineConfig = EngineConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections_are_defaults(cls, data: Any) -> Any:
+        # "sampling:" with every child commented out parses as null: mean the defaults.
+        if isinstance(data, Mapping):
+            data = {
+                k: ({} if v is None and k in ("sampling", "engine") else v) for k, v in data.items()
+            }
+        return data
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that rejects a key given twice in one mapping (PyYAML keeps the last,
+    silently, which hides exactly the kind of mistake the job file must not hide)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_error_line(err: yaml.YAMLError) -> str:
+    """One line out of PyYAML's multi-line message, with the (1-based) line and column."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    if mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return problem
+
+
+def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Job:
+    """Read a job file, apply ``--set KEY=VALUE`` overrides, validate, resolve relative paths.
+
+    Overrides use dotted keys (``engine.block_size=32``); the value is parsed as YAML, so
+    ``sampling.stop=["\\n"]`` sets a list. Relative paths (``model``, ``input.path``,
+    ``output.path``), also those given by ``--set``, resolve against the job file's folder.
+
+    Raises JobError (one line naming the file or key) for any problem.
+    """
+    job_path = Path(path)
+    try:
+        text = job_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise JobError(f"job file {job_path} not found") from None
+    except IsADirectoryError:
+        raise JobError(f"job file {job_path} is a folder, not a YAML file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise JobError(f"cannot read job file {job_path}: {err}") from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise JobError(f"job file {job_path}: invalid YAML at {_yaml_error_line(err)}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise JobError(
+            f"job file {job_path}: expected a mapping of keys (model, input, output, ...), "
+            f"got a {type(raw).__name__}"
+        )
+    for override in overrides:
+        raw = apply_override(raw, override)
+    job = parse_job(raw, source=str(job_path))
+    return _resolve_paths(job, job_path.absolute().parent)
+
+
+def parse_job(raw: Mapping[str, Any], source: str = "job") -> Job:
+    """Validate a job given as a dict (paths are left as given). Raises JobError."""
+    try:
+        return Job.model_validate(raw)
+    except ValidationError as err:
+        errors = err.errors()
+        line = _format_error(errors[0])
+        if len(errors) > 1:
+            more = len(errors) - 1
+            line += f" (and {more} more problem{'s' if more > 1 else ''})"
+        raise JobError(f"{source}: {line}") from None
+
+
+def apply_override(raw: dict[str, Any], override: str) -> dict[str, Any]:
+    """Return a copy of ``raw`` with one ``KEY=VALUE`` override applied (see :func:`load_job`).
+
+    The key must name a key of the schema (so a typo fails here, with a suggestion); the value
+    is validated later with the rest of the job.
+    """
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise JobError(f"--set {override!r}: expected KEY=VALUE, e.g. engine.block_size=32")
+    parts = key.split(".")
+    model: type[BaseModel] | None = Job
+    for depth, part in enumerate(parts):
+        if model is None or part not in model.model_fields:
+            prefix = ".".join(parts[:depth])
+            raise JobError(f"--set {override!r}: {_unknown_key(prefix, part, model)}")
+        model = _submodel(model.model_fields[part].annotation)
+    try:
+        value = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise JobError(f"--set {override!r}: invalid YAML value: {_yaml_error_line(err)}") from None
+    if value is None and text.strip() not in ("", "~", "null", "Null", "NULL"):
+        value = text  # e.g. "sampling.stop=###": YAML reads a comment, the user means the text
+
+    result = dict(raw)
+    node = result
+    for part in parts[:-1]:
+        child = node.get(part)
+        # A section given as null (or something else) is replaced by a fresh mapping: the
+        # override names a key inside it, so the user means a mapping there.
+        child = dict(child) if isinstance(child, dict) else {}
+        node[part] = child
+        node = child
+    node[parts[-1]] = value
+    return result
+
+
+def _resolve_paths(job: Job, base: Path) -> Job:
+    """Make ``model``, ``input.path`` and ``output.path`` absolute, relative to ``base``."""
+
+    def absolute(p: str | Path) -> str:
+        return os.path.normpath(base / Path(p).expanduser())
+
+    return job.model_copy(
+        update={
+            "model": Path(absolute(job.model)),
+            "input": job.input.model_copy(update={"path": absolute(job.input.path)}),
+            "output": job.output.model_copy(update={"path": Path(absolute(job.output.path))}),
+        }
+    )
+
+
+# --------------------------------------------------------------------------- error lines
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The section model behind a field's annotation, or None for a leaf value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
+    """The section model reached by following ``loc`` from the top of the job."""
+    model: type[BaseModel] | None = Job
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        model = _submodel(model.model_fields[part].annotation)
+    return model
+
+
+def _unknown_key(prefix: str, name: str, model: type[BaseModel] | None) -> str:
+    """``unknown key 'a.b' (did you mean 'c'?)``, or the valid keys when nothing is close."""
+    full = f"{prefix}.{name}" if prefix else name
+    if model is None:
+        return f"unknown key '{full}' ('{prefix}' has no sub-keys)"
+    valid = list(model.model_fields)
+    close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key '{full}' (did you mean '{close[0]}'?)"
+    return (
+        f"unknown key '{full}' (valid keys{' of ' + prefix if prefix else ''}: {', '.join(valid)})"
+    )
+
+
+def _loc_str(loc: Sequence[str | int]) -> str:
+    """``('sampling', 'stop', 0)`` -> ``sampling.stop[0]``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _format_error(err: Mapping[str, Any]) -> str:
+    """One pydantic error as one line naming the key."""
+    loc = tuple(err["loc"])
+    key = _loc_str(loc)
+    if err["type"] == "extra_forbidden":
+        parent = loc[:-1]
+        return _unknown_key(_loc_str(parent), str(loc[-1]), _model_at(parent))
+    if err["type"] == "missing":
+        return f"missing required key '{key}'"
+    msg = str(err["msg"])
+    msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    # Pydantic says "Input should be ...": "input" is also a section of ours, so say "must be".
+    for lead in ("Input should", "String should", "List should", "Tuple should"):
+        if msg.startswith(lead):
+            msg = "must" + msg[len(lead) :]
+    msg = msg.replace("a valid tuple", "a list")  # YAML users write lists
+    msg = re.sub(r"a valid dictionary or instance of \w+", "a mapping of keys", msg)
+    msg = msg[:1].lower() + msg[1:]
+    value = err.get("input")
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    if key:
+        return f"{key}: {msg} (got {shown})" if not isinstance(value, Mapping) else f"{key}: {msg}"
+    return msg
+
+
+# --------------------------------------------------------------------------- fingerprint
+
+FINGERPRINT_KEYS = ("model", "input", "sampling")
+
+
+def _digest(obj: Any) -> str:
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def fingerprint(job: Job, model_identity: str, input_identity: str) -> dict[str, str]:
+    """What decides a job's results, as short hashes under ``model``, ``input``, ``sampling``.
+
+    ``model_identity`` (config, weights, tokenizer) and ``input_identity`` (the files) come from
+    whoever inspected them; the input column settings are added here. Engine and output settings
+    are deliberately left out: they change how, not what, so a job may resume with others.
+    """
+    columns = {
+        "prompt_column": job.input.prompt_column,
+        "messages_column": job.input.messages_column,
+        "id_column": job.input.id_column,
+        "keep_columns": list(job.input.keep_columns),
+    }
+    return {
+        "model": _digest(model_identity),
+        "input": _digest({"identity": input_identity, "columns": columns}),
+        "sampling": _digest(job.sampling.model_dump(mode="json")),
+    }
+
+
+def describe_fingerprint_mismatch(old: Mapping[str, str], new: Mapping[str, str]) -> str:
+    """``"sampling, input differ"``-style text naming the parts of two fingerprints that differ
+    (a key present in only one of them differs)."""
+    keys = [k for k in FINGERPRINT_KEYS if k in old or k in new]
+    keys += sorted(k for k in {*old, *new} if k not in FINGERPRINT_KEYS)
+    differing = [k for k in keys if old.get(k) != new.get(k)]
+    if not differing:
+        return "nothing differs"
+    return f"{', '.join(differing)} differ{'s' if len(differing) == 1 else ''}"
+
+
+__all__ = [
+    "EngineConfig",
+    "InputConfig",
+    "Job",
+    "OutputConfig",
+    "SamplingConfig",
+    "apply_override",
+    "describe_fingerprint_mismatch",
+    "fingerprint",
+    "load_job",
+    "parse_job",
+    "parse_memory",
+]

@@ -1,0 +1,446 @@
+"""Hugging Face model folders -> our modules, tokenizer and identity.
+
+A model folder holds ``config.json``, weights as ``*.safetensors`` (one file, or shards listed in
+``model.safetensors.index.json``), tokenizer files and optionally ``generation_config.json``.
+Every problem is a ``ModelError`` whose message is one line naming the problem and the path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen.errors import ModelError
+from batchgen.model.attention import AttentionBackend
+from batchgen.model.llama import SUPPORTED_ROPE_TYPES, LlamaForCausalLM, ModelConfig, RopeConfig
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelInfo",
+    "read_model_config",
+    "read_model_info",
+    "load_model",
+    "load_tokenizer",
+    "model_identity",
+]
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+# Defaults of the HF config classes for keys a config.json may leave out.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768},
+}
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of batchgen needs to know about a model (cheap: from config.json only)."""
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_model_len: int  # max_position_embeddings, capped by a sliding window
+    eos_token_ids: tuple[int, ...]
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV-cache bytes one token occupies across all layers (K and V)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelError(f"{what} not found: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelError(f"invalid {what} {path}: {_one_line(err)}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"invalid {what} {path}: expected a JSON object")
+    return data
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _model_dir(model_dir: str | Path) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelError(f"model folder not found: {path}")
+    return path
+
+
+def _eos_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)
+    return []
+
+
+def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int) -> RopeConfig:
+    """RoPE settings from transformers-5 ``rope_parameters`` or legacy ``rope_theta``/``rope_scaling``."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelError(f"invalid config.json {path}: rope_parameters must be an object")
+    if "rope_type" not in params and "type" not in params and params and all(
+        isinstance(v, dict) for v in params.values()
+    ):
+        raise ModelError(f"unsupported config.json {path}: per-layer-type rope_parameters")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelError(
+            f"unsupported rope type {rope_type!r} in {path}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ModelError(f"unsupported partial_rotary_factor {partial} in {path}")
+    theta = params.get("rope_theta", raw.get("rope_theta")) or 10000.0
+    original = raw.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings"
+    )
+    factor = params.get("factor")
+    try:
+        if rope_type == "yarn" and factor is None:
+            factor = max_pos / (original or max_pos)
+        if rope_type in ("linear", "dynamic", "llama3", "yarn") and factor is None:
+            raise ModelError(f"invalid config.json {path}: rope type {rope_type!r} needs 'factor'")
+        return RopeConfig(
+            rope_type=rope_type,
+            theta=float(theta),
+            factor=float(factor if factor is not None else 1.0),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original) if original else None,
+            attention_factor=_opt_float(params.get("attention_factor")),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=_opt_float(params.get("mscale")),
+            mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
+            truncate=bool(params.get("truncate", True)),
+        )
+    except (TypeError, ValueError) as err:
+        raise ModelError(f"invalid rope parameters in {path}: {_one_line(err)}") from None
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
+    """The attention window of the model, if any layer uses one (else None)."""
+    if arch == "MistralForCausalLM":
+        return raw.get("sliding_window", _ARCH_DEFAULTS[arch]["sliding_window"])
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        window = raw.get("sliding_window")
+        layer_types = raw.get("layer_types") or []
+        uses = bool(raw.get("use_sliding_window")) or "sliding_attention" in layer_types
+        return window if uses and window else None
+    return None
+
+
+def read_model_config(model_dir: str | Path) -> tuple[ModelConfig, tuple[int, ...]]:
+    """Parse and check ``config.json`` (plus ``generation_config.json`` for EOS ids)."""
+    root = _model_dir(model_dir)
+    path = root / "config.json"
+    raw = _read_json(path, "config.json")
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ModelError(f"config.json {path} names no architecture ('architectures' is missing)")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"unsupported architecture {arch} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    defaults = _ARCH_DEFAULTS[arch]
+
+    def req_int(key: str) -> int:
+        value = raw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelError(f"invalid config.json {path}: {key!r} must be a positive integer")
+        return value
+
+    hidden = req_int("hidden_size")
+    num_heads = req_int("num_attention_heads")
+    num_layers = req_int("num_hidden_layers")
+    vocab = req_int("vocab_size")
+    intermediate = req_int("intermediate_size")
+    num_kv_heads = raw.get("num_key_value_heads") or num_heads
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    if not isinstance(num_kv_heads, int) or num_heads % num_kv_heads != 0:
+        raise ModelError(
+            f"invalid config.json {path}: num_attention_heads {num_heads} is not a multiple of "
+            f"num_key_value_heads {num_kv_heads}"
+        )
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2 != 0:
+        raise ModelError(f"invalid config.json {path}: head_dim {head_dim} must be a positive even integer")
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelError(f"unsupported hidden_act {act!r} in {path}; supported: silu")
+    max_pos = raw.get("max_position_embeddings") or defaults["max_position_embeddings"]
+    if not isinstance(max_pos, int) or max_pos <= 0:
+        raise ModelError(f"invalid config.json {path}: max_position_embeddings must be a positive integer")
+    # Sliding-window attention is not implemented: the usable length is capped at the window,
+    # where windowed and full causal attention are identical.
+    window = _sliding_window(raw, arch)
+    max_model_len = min(max_pos, window) if isinstance(window, int) and window > 0 else max_pos
+    rope = _parse_rope(raw, path, max_pos)
+
+    attention_bias = bool(raw.get("attention_bias", False))
+    cfg = ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_model_len=max_model_len,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias and arch != "MistralForCausalLM",
+        o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+        mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
+        rope=rope,
+    )
+
+    eos = _eos_ids(raw.get("eos_token_id"))
+    gen_path = root / "generation_config.json"
+    if gen_path.is_file():
+        eos += _eos_ids(_read_json(gen_path, "generation_config.json").get("eos_token_id"))
+    return cfg, tuple(dict.fromkeys(eos))
+
+
+def _info(cfg: ModelConfig, eos: tuple[int, ...]) -> ModelInfo:
+    return ModelInfo(
+        architecture=cfg.architecture,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        max_model_len=cfg.max_model_len,
+        eos_token_ids=eos,
+    )
+
+
+def read_model_info(model_dir: str | Path) -> ModelInfo:
+    """``ModelInfo`` from config.json (and generation_config.json); reads no weights."""
+    cfg, eos = read_model_config(model_dir)
+    return _info(cfg, eos)
+
+
+# --------------------------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------------------------
+
+
+def _weight_files(root: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    from safetensors import safe_open
+
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelError(f"invalid safetensors index {index}: no 'weight_map'")
+        files = {name: root / str(file) for name, file in weight_map.items()}
+        for file in set(files.values()):
+            if not file.is_file():
+                raise ModelError(f"weight shard listed in {index} not found: {file}")
+        return files
+    shards = sorted(root.glob("*.safetensors"))
+    if not shards:
+        raise ModelError(f"no weights (*.safetensors) found in {root}")
+    files: dict[str, Path] = {}
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    files[name] = shard
+        except Exception as err:  # safetensors raises its own error types
+            raise ModelError(f"corrupt or truncated safetensors file {shard}: {_one_line(err)}") from None
+    return files
+
+
+def _weight_plan(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensors that make it (concatenated along dim 0)."""
+    plan: dict[str, list[str]] = {
+        "embed_tokens.weight": ["model.embed_tokens.weight"],
+        "norm.weight": ["model.norm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        plan["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        plan[ours + "input_layernorm.weight"] = [hf + "input_layernorm.weight"]
+        plan[ours + "post_attention_layernorm.weight"] = [hf + "post_attention_layernorm.weight"]
+        plan[ours + "self_attn.qkv_proj.weight"] = [attn + f"{p}_proj.weight" for p in "qkv"]
+        plan[ours + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
+        if cfg.qkv_bias:
+            plan[ours + "self_attn.qkv_proj.bias"] = [attn + f"{p}_proj.bias" for p in "qkv"]
+        if cfg.o_bias:
+            plan[ours + "self_attn.o_proj.bias"] = [attn + "o_proj.bias"]
+        if cfg.qk_norm:
+            plan[ours + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
+            plan[ours + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
+        mlp = hf + "mlp."
+        plan[ours + "mlp.gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        plan[ours + "mlp.down_proj.weight"] = [mlp + "down_proj.weight"]
+        if cfg.mlp_bias:
+            plan[ours + "mlp.gate_up_proj.bias"] = [mlp + "gate_proj.bias", mlp + "up_proj.bias"]
+            plan[ours + "mlp.down_proj.bias"] = [mlp + "down_proj.bias"]
+    return plan
+
+
+def load_model(
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionBackend,
+) -> tuple[LlamaForCausalLM, ModelInfo]:
+    """Build the model on ``device`` in ``dtype`` with the checkpoint's weights (eval mode)."""
+    from safetensors import safe_open
+
+    root = _model_dir(model_dir)
+    cfg, eos = read_model_config(root)
+    files = _weight_files(root)
+    plan = _weight_plan(cfg)
+
+    # Modules are built on the meta device (no memory, no random init); real tensors are
+    # assigned below. The RoPE tables are built on the CPU explicitly and moved afterwards.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, attention)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    assert set(expected) == set(plan), sorted(set(expected) ^ set(plan))
+
+    needed = {hf for names in plan.values() for hf in names}
+    for hf in sorted(needed):
+        if hf not in files:
+            raise ModelError(f"tensor {hf} missing from the weights in {root}")
+    by_file: dict[Path, list[str]] = {}
+    for hf in needed:
+        by_file.setdefault(files[hf], []).append(hf)
+
+    loaded: dict[str, torch.Tensor] = {}
+    for file, names in sorted(by_file.items()):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for hf in sorted(names):
+                    loaded[hf] = f.get_tensor(hf).to(device=device, dtype=dtype)
+        except ModelError:
+            raise
+        except Exception as err:
+            raise ModelError(f"corrupt or truncated safetensors file {file}: {_one_line(err)}") from None
+
+    state: dict[str, torch.Tensor] = {}
+    for ours, hf_names in plan.items():
+        parts = [loaded.pop(hf) for hf in hf_names]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if tensor.shape != expected[ours]:
+            shapes = ", ".join(f"{hf} {tuple(p.shape)}" for hf, p in zip(hf_names, parts))
+            raise ModelError(
+                f"weight shape mismatch in {root}: {shapes}; config.json implies {tuple(expected[ours])}"
+            )
+        state[ours] = tensor
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rope_cos = model.rope_cos.to(device)
+    model.rope_sin = model.rope_sin.to(device)
+    model.eval().requires_grad_(False)
+    return model, _info(cfg, eos)
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer and identity
+# --------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The model's tokenizer via ``AutoTokenizer`` (local files only, never the network)."""
+    root = _model_dir(model_dir)
+    if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ModelError(f"no tokenizer found in {root} (tokenizer.json, tokenizer.model or vocab.json)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except Exception as err:
+        raise ModelError(f"cannot load the tokenizer in {root}: {_one_line(err)}") from None
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The 8-byte length plus the JSON header of a safetensors file (names, dtypes, shapes, offsets)."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelError(f"corrupt or truncated safetensors file {path}: shorter than its header")
+        (size,) = struct.unpack("<Q", head)
+        if size > 100 * 1024 * 1024:
+            raise ModelError(f"corrupt safetensors file {path}: implausible header size {size}")
+        return head + f.read(size)
+
+
+def model_identity(model_dir: str | Path) -> str:
+    """A cheap stable hash of what decides the model's outputs (hex sha256).
+
+    Covers config.json, generation_config.json, the tokenizer files' contents, and each weight
+    file's name, size and safetensors header; not the full weight bytes.
+    """
+    root = _model_dir(model_dir)
+    digest = hashlib.sha256()
+
+    def add(label: str, data: bytes) -> None:
+        digest.update(label.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+
+    for name in ("config.json", "generation_config.json", *_TOKENIZER_FILES):
+        path = root / name
+        if path.is_file():
+            add(name, path.read_bytes())
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        add(index.name, index.read_bytes())
+    for path in sorted(root.glob("*.safetensors")):
+        add(f"{path.name}:{path.stat().st_size}", _safetensors_header(path))
+    return digest.hexdigest()

@@ -1,0 +1,651 @@
+"""Parquet out: part files, the manifest, the report. Durable and resumable.
+
+Layout of an output folder (SPEC "The output folder")::
+
+    part-00000.parquet     results; each holds whole input rows (all n samples of a row)
+    part-00001.parquet
+    _manifest.json         the source of truth: which parts are committed (see below)
+    _report.json           written when a job ends
+    .batchgen.lock         held (flock) while a job writes here
+    .part-00002.parquet.tmp, ._manifest.json.tmp   temp names while a commit is in flight
+
+Every bookkeeping file starts with ``_`` or ``.``, so Parquet readers (pyarrow.dataset, pandas,
+DuckDB, Hugging Face datasets) see exactly the part files.
+
+Commit protocol (durability by rename): buffered rows are written to a temp name, fsynced, renamed
+to ``part-NNNNN.parquet``, the folder is fsynced, and only then the manifest is rewritten (temp,
+fsync, rename, fsync folder). Invariant: **a part file is committed iff the manifest lists it.**
+A crash at any step leaves either the old manifest (the new part, if renamed already, is an orphan
+that the next open deletes, and its rows are generated again) or the new one; never a row twice.
+
+Manifest (JSON)::
+
+    {"format": "batchgen-output", "version": 1,
+     "fingerprint": {"model": ..., "input": ..., "sampling": ...},
+     "total_rows": int | null, "finished": bool,
+     "created_at": iso, "last_commit_at": iso | null, "next_part": int,
+     "parts": [{"name", "rows", "samples", "prompt_tokens", "cached_prompt_tokens",
+                "output_tokens", "errors", "first_id", "last_id"}, ...],
+     "totals": {"rows", "samples", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
+                "errors", "parts"}}
+
+``rows`` counts input rows, ``samples`` output rows; the token sums are over output rows;
+``errors`` counts output rows whose ``finish_reason`` is ``error``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.errors import JobError
+from batchgen.job import describe_fingerprint_mismatch
+
+MANIFEST_NAME = "_manifest.json"
+REPORT_NAME = "_report.json"
+LOCK_NAME = ".batchgen.lock"
+MANIFEST_FORMAT = "batchgen-output"
+MANIFEST_VERSION = 1
+
+_PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
+# Temp names of our own atomic writes: "." + final name + ".tmp".
+_TEMP_RE = re.compile(r"^\.(part-\d{5,}\.parquet|_manifest\.json|_report\.json)\.tmp$")
+
+# Output columns, in SPEC order (keep_columns follow). Input keep_columns may not reuse these.
+RESULT_COLUMNS: tuple[str, ...] = (
+    "id",
+    "sample_index",
+    "text",
+    "token_ids",
+    "finish_reason",
+    "error",
+    "num_prompt_tokens",
+    "num_cached_tokens",
+    "num_output_tokens",
+    "cumulative_logprob",
+    "token_logprobs",
+)
+
+_COUNT_KEYS = (
+    "rows",
+    "samples",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "output_tokens",
+    "errors",
+    "parts",
+)
+
+# Called with a step name between the steps of a commit; tests raise in it to simulate a crash.
+StepHook = Callable[[str], None]
+COMMIT_STEPS = ("part_written", "part_renamed", "manifest_written")
+
+
+def output_schema(
+    id_type: pa.DataType, keep_fields: Sequence[pa.Field], logprobs: bool
+) -> pa.Schema:
+    """The schema of every part file: SPEC's columns in order, then the keep columns."""
+    fields = [
+        pa.field("id", id_type, nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+        pa.field("text", pa.string()),
+        pa.field("token_ids", pa.list_(pa.int32())),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("error", pa.string()),
+        pa.field("num_prompt_tokens", pa.int32()),
+        pa.field("num_cached_tokens", pa.int32()),
+        pa.field("num_output_tokens", pa.int32()),
+    ]
+    if logprobs:
+        fields += [
+            pa.field("cumulative_logprob", pa.float64()),
+            pa.field("token_logprobs", pa.list_(pa.float32())),
+        ]
+    for field in keep_fields:
+        if field.name in RESULT_COLUMNS:
+            raise ValueError(f"keep column {field.name!r} collides with an output column")
+    return pa.schema(fields + list(keep_fields))
+
+
+# --------------------------------------------------------------------------- file helpers
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durably(
+    folder: Path,
+    name: str,
+    write: Callable[[IO[bytes]], None],
+    before_rename: Callable[[], None] | None = None,
+) -> None:
+    """Write ``folder/name`` by temp file, fsync, rename, fsync folder.
+
+    Readers see the old file or the new one, never a partial one.
+    """
+    tmp = folder / f".{name}.tmp"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    if before_rename is not None:
+        before_rename()
+    os.replace(tmp, folder / name)
+    _fsync_dir(folder)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=1, default=str) + "\n").encode("utf-8")
+
+
+def _read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The manifest, None if there is none. Raises JobError if it is unreadable or not ours."""
+    path = folder / MANIFEST_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise JobError(f"output folder {folder}: cannot read {MANIFEST_NAME}: {err}") from None
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+        raise JobError(
+            f"output folder {folder} holds a {MANIFEST_NAME} that batchgen did not write; "
+            "choose another output.path"
+        )
+    if data.get("version") != MANIFEST_VERSION:
+        raise JobError(
+            f"output folder {folder} was written by another batchgen version "
+            f"(manifest version {data.get('version')}); use --fresh or another output.path"
+        )
+    return data
+
+
+def _empty_totals() -> dict[str, int]:
+    return dict.fromkeys(_COUNT_KEYS, 0)
+
+
+def _new_manifest(fingerprint: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "fingerprint": dict(fingerprint),
+        "total_rows": None,
+        "finished": False,
+        "created_at": _now_iso(),
+        "last_commit_at": None,
+        "next_part": 0,
+        "parts": [],
+        "totals": _empty_totals(),
+    }
+
+
+def _totals_of(parts: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    totals = _empty_totals()
+    for part in parts:
+        for key in _COUNT_KEYS:
+            if key != "parts":
+                totals[key] += int(part[key])
+    totals["parts"] = len(parts)
+    return totals
+
+
+def _lock(folder: Path) -> int | None:
+    """Hold an exclusive lock on the folder (POSIX flock) so two jobs never write it at once.
+
+    Returns the lock's file descriptor (None where flock does not exist); it is released when
+    closed or when the process ends, also by a crash.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, documented limitation
+        return None
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise JobError(f"output folder {folder} is in use by another batchgen process") from None
+    return fd
+
+
+# --------------------------------------------------------------------------- the folder
+
+
+class OutputFolder:
+    """An open output folder: the committed parts, the manifest, the lock. Use :meth:`open`."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], lock_fd: int | None) -> None:
+        self.path = path
+        self._manifest = manifest  # invariant: equal to what _manifest.json holds on disk
+        self._lock_fd = lock_fd
+
+    @classmethod
+    def open(cls, path: Path, fingerprint: Mapping[str, str], fresh: bool = False) -> OutputFolder:
+        """Open (creating if missing) the output folder of a job with this fingerprint.
+
+        - A manifest with another fingerprint: JobError naming what differs (unless ``fresh``).
+        - ``fresh``: delete earlier results first (only batchgen's own files).
+        - Leftovers of a crash are cleaned: temp files, and part files the manifest does not list
+          (never committed). A listed part that is missing is dropped from the manifest, so its
+          rows are generated again.
+        - A folder without a manifest that holds other visible files is refused: Parquet readers
+          would mix them with the results.
+        """
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise JobError(f"output path {path} is a file, not a folder")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise JobError(f"cannot create output folder {path}: {err.strerror or err}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise JobError(f"output folder {path} is not writable")
+        lock_existed = (path / LOCK_NAME).exists()
+        lock_fd = _lock(path)
+        try:
+            folder = cls._open_locked(path, fingerprint, fresh, lock_fd)
+        except BaseException:
+            if lock_fd is not None:
+                if not lock_existed:  # leave a refused folder as it was
+                    (path / LOCK_NAME).unlink(missing_ok=True)
+                os.close(lock_fd)
+            raise
+        return folder
+
+    @classmethod
+    def _open_locked(
+        cls, path: Path, fingerprint: Mapping[str, str], fresh: bool, lock_fd: int | None
+    ) -> OutputFolder:
+        try:
+            manifest = _read_manifest(path)
+        except JobError:
+            # An unreadable manifest of ours cannot be resumed; --fresh may start over. One that
+            # is not ours is never deleted.
+            if not fresh or not _looks_like_ours(path / MANIFEST_NAME):
+                raise
+            manifest = None
+        names = sorted(os.listdir(path))
+        if manifest is None:
+            foreign = [n for n in names if not n.startswith((".", "_")) and not _PART_RE.match(n)]
+            if foreign:
+                raise JobError(
+                    f"output folder {path} is not empty and is not a batchgen output folder "
+                    f"(it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+                    "choose a new or empty folder"
+                )
+        elif not fresh and manifest.get("fingerprint") != dict(fingerprint):
+            what = describe_fingerprint_mismatch(manifest.get("fingerprint") or {}, fingerprint)
+            raise JobError(
+                f"output folder {path} holds a different job: {what}; use --fresh to delete its "
+                "results, or choose another output.path"
+            )
+        if fresh:
+            for name in names:
+                if (
+                    _PART_RE.match(name)
+                    or _TEMP_RE.match(name)
+                    or name
+                    in (
+                        MANIFEST_NAME,
+                        REPORT_NAME,
+                    )
+                ):
+                    (path / name).unlink(missing_ok=True)
+            manifest = None
+            names = sorted(os.listdir(path))
+
+        listed = {p["name"] for p in manifest["parts"]} if manifest else set()
+        removed = False
+        for name in names:
+            # Temp files and unlisted parts were never committed.
+            if _TEMP_RE.match(name) or (_PART_RE.match(name) and name not in listed):
+                (path / name).unlink(missing_ok=True)
+                removed = True
+        if removed:
+            _fsync_dir(path)
+
+        folder = cls(path, manifest or _new_manifest(fingerprint), lock_fd)
+        if manifest is None:
+            folder._write_manifest(folder._manifest)
+        else:
+            missing = [p for p in manifest["parts"] if not (path / p["name"]).is_file()]
+            if missing:
+                parts = [p for p in manifest["parts"] if p not in missing]
+                folder._write_manifest(
+                    {**manifest, "parts": parts, "totals": _totals_of(parts), "finished": False}
+                )
+        return folder
+
+    # -- reading
+
+    @property
+    def fingerprint(self) -> dict[str, str]:
+        return dict(self._manifest["fingerprint"])
+
+    @property
+    def finished(self) -> bool:
+        return bool(self._manifest["finished"])
+
+    def part_paths(self) -> list[Path]:
+        """The committed part files, in commit order."""
+        return [self.path / p["name"] for p in self._manifest["parts"]]
+
+    def completed_ids(self) -> set[Any]:
+        """Ids of the input rows already committed (rows are committed whole, all samples).
+
+        Reads only the id column of the committed parts.
+        """
+        ids: set[Any] = set()
+        for part in self.part_paths():
+            try:
+                column = pq.read_table(part, columns=["id"]).column("id")
+            except (OSError, pa.ArrowException) as err:
+                raise JobError(
+                    f"output folder {self.path}: committed part {part.name} is unreadable "
+                    f"({err}); use --fresh to start over"
+                ) from None
+            ids.update(column.to_pylist())
+        return ids
+
+    def counts(self) -> dict[str, int]:
+        """Totals over committed parts: rows (input), samples (output rows), prompt_tokens,
+        cached_prompt_tokens, output_tokens, errors (samples), parts."""
+        return dict(self._manifest["totals"])
+
+    def check_schema(self, schema: pa.Schema) -> None:
+        """JobError if committed parts have another schema (they could not be read together)."""
+        parts = self.part_paths()
+        if not parts:
+            return
+        try:
+            existing = pq.read_schema(parts[0])
+        except (OSError, pa.ArrowException) as err:
+            raise JobError(
+                f"output folder {self.path}: committed part {parts[0].name} is unreadable "
+                f"({err}); use --fresh to start over"
+            ) from None
+        if not existing.remove_metadata().equals(schema.remove_metadata()):
+            raise JobError(
+                f"output folder {self.path} holds results with other columns; use --fresh to "
+                "start over, or choose another output.path"
+            )
+
+    # -- writing
+
+    def writer(
+        self,
+        schema: pa.Schema,
+        commit_rows: int,
+        commit_seconds: float,
+        *,
+        on_step: StepHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> PartWriter:
+        """A writer of new parts with this schema (checked against committed parts).
+
+        ``on_step`` is a test hook called with each name in COMMIT_STEPS during a commit.
+        """
+        self.check_schema(schema)
+        return PartWriter(self, schema, commit_rows, commit_seconds, on_step=on_step, clock=clock)
+
+    def set_total_rows(self, total_rows: int) -> None:
+        """Record the number of input rows, so ``status`` can show progress."""
+        if self._manifest.get("total_rows") != total_rows:
+            self._write_manifest({**self._manifest, "total_rows": int(total_rows)})
+
+    def mark_finished(self) -> None:
+        """Record that the job ran to its end (a later commit clears it again)."""
+        self._write_manifest({**self._manifest, "finished": True})
+
+    def write_report(self, report: Mapping[str, Any]) -> None:
+        """Write ``_report.json`` atomically."""
+        data = _json_bytes(dict(report))
+        _write_durably(self.path, REPORT_NAME, lambda f: f.write(data))
+
+    def close(self) -> None:
+        """Release the folder's lock. Idempotent."""
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            self._lock_fd = None
+            os.close(fd)
+
+    def __del__(self) -> None:
+        # flock is per open file: an unclosed, forgotten folder must not keep a later open of
+        # the same folder in this process out (e.g. a resume in the same test process).
+        self.close()
+
+    def __enter__(self) -> OutputFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _write_manifest(
+        self, manifest: dict[str, Any], before_rename: Callable[[], None] | None = None
+    ) -> None:
+        data = _json_bytes(manifest)
+        _write_durably(self.path, MANIFEST_NAME, lambda f: f.write(data), before_rename)
+        self._manifest = manifest
+
+    def _commit_part(self, table: pa.Table, rows: int, on_step: StepHook | None) -> None:
+        """Write one part and then the manifest that lists it (the protocol above)."""
+        number = int(self._manifest["next_part"])
+        name = f"part-{number:05d}.parquet"
+        step = on_step or (lambda _name: None)
+
+        def after_temp_written() -> None:
+            step("part_written")
+
+        _write_durably(self.path, name, lambda f: pq.write_table(table, f), after_temp_written)
+        step("part_renamed")
+
+        ids = table.column("id")
+        entry = {
+            "name": name,
+            "rows": rows,
+            "samples": table.num_rows,
+            "prompt_tokens": _sum(table, "num_prompt_tokens"),
+            "cached_prompt_tokens": _sum(table, "num_cached_tokens"),
+            "output_tokens": _sum(table, "num_output_tokens"),
+            "errors": int(pc.sum(pc.equal(table.column("finish_reason"), "error")).as_py() or 0),
+            "first_id": ids[0].as_py(),
+            "last_id": ids[-1].as_py(),
+        }
+        manifest = copy.deepcopy(self._manifest)
+        manifest["parts"].append(entry)
+        manifest["totals"] = _totals_of(manifest["parts"])
+        manifest["next_part"] = number + 1
+        manifest["last_commit_at"] = _now_iso()
+        manifest["finished"] = False
+        self._write_manifest(manifest, before_rename=lambda: step("manifest_written"))
+
+
+def _sum(table: pa.Table, column: str) -> int:
+    return int(pc.sum(table.column(column)).as_py() or 0)
+
+
+def _looks_like_ours(manifest_path: Path) -> bool:
+    """A manifest that fails to parse but names our format (e.g. truncated by hand)."""
+    try:
+        return MANIFEST_FORMAT.encode() in manifest_path.read_bytes()[:200]
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- the writer
+
+
+class PartWriter:
+    """Buffers finished rows and commits them as new part files.
+
+    Invariant: the buffer holds whole input rows (all n samples added by one
+    :meth:`add_row_group`), so a commit never splits an input row across parts or crashes.
+    """
+
+    def __init__(
+        self,
+        folder: OutputFolder,
+        schema: pa.Schema,
+        commit_rows: int,
+        commit_seconds: float,
+        *,
+        on_step: StepHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.folder = folder
+        self.schema = schema
+        self.commit_rows = commit_rows
+        self.commit_seconds = commit_seconds
+        self._on_step = on_step
+        self._clock = clock
+        self._rows: list[dict[str, Any]] = []  # output rows (samples), whole input rows only
+        self._groups = 0  # input rows in the buffer
+        self._last_commit = clock()
+
+    @property
+    def buffered_samples(self) -> int:
+        return len(self._rows)
+
+    @property
+    def buffered_rows(self) -> int:
+        return self._groups
+
+    def add_row_group(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Buffer all sample rows of ONE input row (dicts keyed by schema column names)."""
+        if not rows:
+            raise ValueError("a row group holds at least one sample")
+        first_id = rows[0].get("id")
+        if any(r.get("id") != first_id for r in rows):
+            raise ValueError("a row group holds the samples of one input row only")
+        self._rows.extend(dict(r) for r in rows)
+        self._groups += 1
+
+    def maybe_commit(self) -> bool:
+        """Commit if ``commit_rows`` output rows are buffered or ``commit_seconds`` have passed
+        since the last commit. Returns whether it committed."""
+        if not self._rows:
+            return False
+        due = self._clock() - self._last_commit >= self.commit_seconds
+        if len(self._rows) >= self.commit_rows or due:
+            self.commit()
+            return True
+        return False
+
+    def commit(self) -> None:
+        """Write the buffered rows as a new part, then the manifest. A no-op when empty.
+
+        On an exception the buffer is kept (nothing was committed: the manifest is unchanged).
+        """
+        if not self._rows:
+            self._last_commit = self._clock()
+            return
+        table = pa.Table.from_pylist(self._rows, schema=self.schema)
+        self.folder._commit_part(table, self._groups, self._on_step)
+        self._rows = []
+        self._groups = 0
+        self._last_commit = self._clock()
+
+
+# --------------------------------------------------------------------------- status
+
+
+def _age(iso: str | None) -> str:
+    if not iso:
+        return "never"
+    try:
+        then = datetime.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return iso
+    seconds = max(0.0, (datetime.now(timezone.utc) - then).total_seconds())
+    if seconds < 120:
+        ago = f"{seconds:.0f}s ago"
+    elif seconds < 7200:
+        ago = f"{seconds / 60:.0f} min ago"
+    elif seconds < 172800:
+        ago = f"{seconds / 3600:.0f} h ago"
+    else:
+        ago = f"{seconds / 86400:.0f} days ago"
+    return f"{then.strftime('%Y-%m-%d %H:%M:%S')} UTC ({ago})"
+
+
+def read_status(path: Path) -> str:
+    """How far the job in this output folder has got, as a few lines of text.
+
+    Safe while a job runs (the manifest is replaced atomically). JobError if ``path`` is not an
+    output folder.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise JobError(f"{path} is not a folder")
+    manifest = _read_manifest(path)
+    if manifest is None:
+        raise JobError(f"{path} is not a batchgen output folder (no {MANIFEST_NAME})")
+    totals = {**_empty_totals(), **manifest.get("totals", {})}
+    total_rows = manifest.get("total_rows")
+    rows = totals["rows"]
+    if total_rows:
+        progress = f"{rows:,} of {total_rows:,} rows ({100.0 * rows / total_rows:.1f}%)"
+    elif total_rows == 0:
+        progress = "0 of 0 rows"
+    else:
+        progress = f"{rows:,} rows (total not known yet)"
+    state = "finished" if manifest.get("finished") else "not finished (running or interrupted)"
+    lines = [
+        f"output:        {path}",
+        f"state:         {state}",
+        f"progress:      {progress}",
+        f"samples:       {totals['samples']:,} ({totals['errors']:,} errors)",
+        f"prompt tokens: {totals['prompt_tokens']:,} "
+        f"({totals['cached_prompt_tokens']:,} from the prefix cache)",
+        f"output tokens: {totals['output_tokens']:,}",
+        f"parts:         {totals['parts']:,}",
+        f"last commit:   {_age(manifest.get('last_commit_at'))}",
+    ]
+    try:
+        report = json.loads((path / REPORT_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        report = None
+    if isinstance(report, dict) and "elapsed_s" in report:
+        speed = report.get("output_tokens_per_s")
+        speed_text = f", {speed:,.1f} output tokens/s" if isinstance(speed, (int, float)) else ""
+        lines.append(f"last run:      {float(report['elapsed_s']):,.1f} s{speed_text}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "COMMIT_STEPS",
+    "LOCK_NAME",
+    "MANIFEST_NAME",
+    "REPORT_NAME",
+    "RESULT_COLUMNS",
+    "OutputFolder",
+    "PartWriter",
+    "output_schema",
+    "read_status",
+]

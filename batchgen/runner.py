@@ -1,0 +1,513 @@
+"""One job end to end: dataset -> tokenizer -> engine -> results, with progress, signals and resume.
+
+Rows are read in windows; each window is tokenized and fed to the engine in lexicographic order
+of its token ids, which is a depth-first walk of the window's prompt trie: rows that share a
+prefix run one after another while the prefix is in the radix cache, and identical prompts become
+one request whose samples are forked from a single prefill. Results are keyed by id, so the order
+is invisible to users.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from batchgen.dataset import InputDataset, InputRow
+from batchgen.engine.engine import Engine, EngineConfig
+from batchgen.engine.request import FinishReason, Request, SampleResult, SamplingParams, SampleTarget
+from batchgen.engine.sampler import rng_key
+from batchgen.errors import JobError
+from batchgen.job import Job, fingerprint
+from batchgen.model.attention import make_attention_backend
+from batchgen.model.loader import ModelInfo, load_model, load_tokenizer, model_identity, read_model_info
+from batchgen.results import OutputFolder, output_schema, read_status
+
+CPU_KV_CACHE_CAP = 4 << 30  # bytes: "auto" never takes more than this on a CPU
+CPU_KV_CACHE_SHARE = 0.25  # of available memory, for "auto" on a CPU
+GPU_KV_CACHE_SHARE = 0.85  # of free device memory after the model is loaded
+
+
+class Interrupted(Exception):
+    """Raised after a SIGINT/SIGTERM once everything finished so far has been saved."""
+
+
+# -- settings -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    dtype: torch.dtype
+    backend: str  # "torch" | "triton"
+
+
+def resolve_placement(job: Job) -> Placement:
+    eng = job.engine
+    if eng.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(eng.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise JobError(f"engine.device is {eng.device!r} but no CUDA device is available")
+    if eng.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, eng.dtype)
+    if eng.attention_backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    else:
+        backend = eng.attention_backend
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise JobError(
+            "engine.attention_backend is 'triton' on a CPU: set TRITON_INTERPRET=1 "
+            "(slow, for testing) or use 'torch'"
+        )
+    return Placement(device, dtype, backend)
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def plan_num_blocks(job: Job, info: ModelInfo, place: Placement) -> int:
+    """KV blocks for the pool: kv_cache_blocks, else kv_cache_memory, else a share of free memory."""
+    eng = job.engine
+    block_bytes = info.kv_bytes_per_token(place.dtype) * eng.block_size
+    if eng.kv_cache_blocks is not None:
+        return eng.kv_cache_blocks
+    if eng.kv_cache_memory != "auto":
+        blocks = int(eng.kv_cache_memory) // block_bytes
+    elif place.device.type == "cuda":
+        blocks = int(_available_memory(place.device) * GPU_KV_CACHE_SHARE) // block_bytes
+    else:
+        budget = min(int(_available_memory(place.device) * CPU_KV_CACHE_SHARE), CPU_KV_CACHE_CAP)
+        blocks = budget // block_bytes
+    if blocks < 1:
+        raise JobError(
+            f"engine.kv_cache_memory leaves no room for one KV block ({block_bytes} bytes)"
+        )
+    return blocks
+
+
+def max_model_len(job: Job, info: ModelInfo, num_blocks: int) -> int:
+    limit = info.max_model_len
+    if job.engine.max_model_len is not None:
+        limit = min(limit, job.engine.max_model_len)
+    # One sequence must fit in the pool, or it could never be scheduled.
+    return min(limit, num_blocks * job.engine.block_size)
+
+
+def sampling_params(job: Job) -> SamplingParams:
+    s = job.sampling
+    return SamplingParams(
+        n=s.n,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        seed=s.seed,
+        logprobs=s.logprobs,
+    )
+
+
+# -- validate / status ----------------------------------------------------------------------------
+
+
+def validate(job: Job) -> str:
+    info = read_model_info(job.model)
+    dataset = InputDataset(job.input)
+    load_tokenizer(job.model)
+    place = resolve_placement(job)
+    num_blocks = plan_num_blocks(job, info, place)
+    per_token = info.kv_bytes_per_token(place.dtype)
+    bs = job.engine.block_size
+    lines = [
+        f"model:    {job.model} ({info.architecture}, {info.num_layers} layers, "
+        f"{info.num_heads} heads / {info.num_kv_heads} KV heads, head_dim {info.head_dim})",
+        f"input:    {dataset.num_rows} rows from {job.input.path}",
+        f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
+        f"max_tokens={job.sampling.max_tokens})",
+        f"output:   {job.output.path}",
+        f"device:   {place.device} {str(place.dtype).removeprefix('torch.')}, "
+        f"attention {place.backend}",
+        f"KV cache: {per_token} bytes/token, {num_blocks} blocks x {bs} tokens = "
+        f"{num_blocks * bs} tokens ({num_blocks * bs * per_token / 2**20:.1f} MiB)",
+        f"max_model_len: {max_model_len(job, info, num_blocks)}",
+    ]
+    return "\n".join(lines)
+
+
+def status(path: str | Path) -> str:
+    return read_status(Path(path))
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PendingRow:
+    row: InputRow
+    num_prompt_tokens: int
+    samples: list[SampleResult | None]
+
+
+@dataclass
+class Totals:
+    rows: int = 0
+    samples: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+    errors: int = 0
+
+    def hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class _Signals:
+    """First SIGINT/SIGTERM: stop after saving. Second: raise KeyboardInterrupt at once."""
+
+    stop: bool = False
+    previous: dict[int, Any] = field(default_factory=dict)
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.stop:
+            raise KeyboardInterrupt
+        self.stop = True
+
+
+class JobRun:
+    """State of one `batchgen run`: the engine, the rows in flight and the writer."""
+
+    def __init__(self, job: Job, fresh: bool, quiet: bool) -> None:
+        self.job = job
+        self.quiet = quiet
+        self.info = read_model_info(job.model)
+        self.dataset = InputDataset(job.input)
+        fp = fingerprint(job, model_identity(job.model), self.dataset.identity)
+        self.folder = OutputFolder.open(job.output.path, fp, fresh)
+        self.folder.set_total_rows(self.dataset.num_rows)
+        self.done_ids = self.folder.completed_ids()
+        self.tokenizer = load_tokenizer(job.model)
+        self.place = resolve_placement(job)
+        self.params = sampling_params(job)
+        attention = make_attention_backend(self.place.backend)
+        model, _ = load_model(job.model, self.place.device, self.place.dtype, attention)
+        num_blocks = plan_num_blocks(job, self.info, self.place)
+        self.max_model_len = max_model_len(job, self.info, num_blocks)
+        eng = job.engine
+        self.engine = Engine(
+            model,
+            config=EngineConfig(
+                block_size=eng.block_size,
+                num_blocks=num_blocks,
+                max_num_seqs=eng.max_num_seqs,
+                max_num_batched_tokens=eng.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                prefix_caching=eng.prefix_caching,
+            ),
+            num_layers=self.info.num_layers,
+            num_kv_heads=self.info.num_kv_heads,
+            head_dim=self.info.head_dim,
+            vocab_size=self.info.vocab_size,
+            eos_token_ids=self.info.eos_token_ids,
+            device=self.place.device,
+            dtype=self.place.dtype,
+            copy_blocks=_copy_blocks_fn(self.place.backend),
+            detokenize=self._decode if self.params.stop else None,
+        )
+        schema = output_schema(self.dataset.id_type, self.dataset.keep_fields, self.params.logprobs)
+        self.writer = self.folder.writer(schema, job.output.commit_rows, job.output.commit_seconds)
+        self.pending: dict[int, PendingRow] = {}
+        self.next_handle = 0
+        self.totals = Totals()
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- feeding ------------------------------------------------------------------------------
+
+    def _tokenize(self, rows: list[InputRow]) -> list[tuple[InputRow, list[int] | None, str | None]]:
+        """Token ids of each row, or the reason the row cannot be generated."""
+        out: list[tuple[InputRow, list[int] | None, str | None]] = []
+        plain = [r for r in rows if r.messages is None and r.prompt]
+        encoded: dict[int, list[int]] = {}
+        if plain:
+            try:
+                ids = self.tokenizer([r.prompt for r in plain], add_special_tokens=True)["input_ids"]
+                encoded = {id(r): list(t) for r, t in zip(plain, ids, strict=True)}
+            except Exception:  # noqa: BLE001 - fall back to rows one by one to name the culprit
+                encoded = {}
+        column = self.job.input.messages_column or self.job.input.prompt_column
+        for r in rows:
+            try:
+                if self.job.input.messages_column is not None:
+                    tokens = self._render_messages(r, column)
+                elif r.prompt is None:
+                    raise RowProblem(f"{column} is null")
+                elif r.prompt == "":
+                    raise RowProblem(f"{column} is empty")
+                elif id(r) in encoded:
+                    tokens = encoded[id(r)]
+                else:
+                    tokens = list(self.tokenizer(r.prompt, add_special_tokens=True)["input_ids"])
+                if not tokens:
+                    raise RowProblem("the prompt encodes to zero tokens")
+                if len(tokens) >= self.max_model_len:
+                    raise RowProblem(
+                        f"prompt has {len(tokens)} tokens; max_model_len is {self.max_model_len}, "
+                        "which leaves no room for output"
+                    )
+                out.append((r, tokens, None))
+            except RowProblem as e:
+                out.append((r, None, str(e)))
+            except Exception as e:  # noqa: BLE001 - a tokenizer failure is the row's problem
+                out.append((r, None, f"the tokenizer cannot encode the prompt: {e}"))
+        return out
+
+    def _render_messages(self, row: InputRow, column: str) -> list[int]:
+        messages = row.messages
+        if messages is None:
+            raise RowProblem(f"{column} is null")
+        if not messages:
+            raise RowProblem(f"{column} is empty")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
+                m.get("content"), str
+            ):
+                raise RowProblem(f"{column}[{i}] is not a {{role, content}} message with strings")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # noqa: BLE001
+            raise RowProblem(f"the chat template cannot render {column}: {e}") from e
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def feed(self, rows: list[InputRow]) -> None:
+        """Queue one window of rows: error rows are written at once, the rest become requests in
+        depth-first trie order, identical prompts folded into one request."""
+        groups: dict[tuple[int, ...], list[SampleTarget]] = {}
+        n = self.params.n
+        for row, tokens, problem in self._tokenize(rows):
+            handle = self.next_handle
+            self.next_handle += 1
+            if tokens is None:
+                self._write_error_row(row, problem or "unknown error")
+                continue
+            self.pending[handle] = PendingRow(row, len(tokens), [None] * n)
+            targets = groups.setdefault(tuple(tokens), [])
+            for k in range(n):
+                targets.append(SampleTarget(handle, k, rng_key(self.params.seed, row.id, k)))
+        for tokens in sorted(groups):
+            self.engine.add(Request(tokens, self.params, tuple(groups[tokens])))
+
+    # -- results ------------------------------------------------------------------------------
+
+    def _base_row(self, row: InputRow, sample_index: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": row.id, "sample_index": sample_index}
+        out.update(row.keep)
+        return out
+
+    def _write_error_row(self, row: InputRow, problem: str) -> None:
+        rows = []
+        for k in range(self.params.n):
+            r = self._base_row(row, k)
+            r.update(
+                text="", token_ids=[], finish_reason=FinishReason.ERROR.value, error=problem,
+                num_prompt_tokens=0, num_cached_tokens=0, num_output_tokens=0,
+            )
+            if self.params.logprobs:
+                r.update(cumulative_logprob=None, token_logprobs=None)
+            rows.append(r)
+        self.writer.add_row_group(rows)
+        self.totals.rows += 1
+        self.totals.samples += self.params.n
+        self.totals.errors += 1
+
+    def collect(self, results: list[SampleResult]) -> None:
+        for res in results:
+            pending = self.pending[res.target.row]
+            pending.samples[res.target.sample_index] = res
+            if all(s is not None for s in pending.samples):
+                del self.pending[res.target.row]
+                self._write_row(pending)
+
+    def _text(self, res: SampleResult) -> str:
+        if res.text is not None:
+            return res.text
+        ids = res.token_ids
+        if res.finish_reason == FinishReason.STOP and ids and ids[-1] in self.params.stop_token_ids:
+            ids = ids[:-1]
+        return self._decode(ids)
+
+    def _write_row(self, pending: PendingRow) -> None:
+        rows = []
+        for res in pending.samples:
+            assert res is not None
+            r = self._base_row(pending.row, res.target.sample_index)
+            r.update(
+                text=self._text(res),
+                token_ids=res.token_ids,
+                finish_reason=res.finish_reason.value,
+                error=None,
+                num_prompt_tokens=res.num_prompt_tokens,
+                num_cached_tokens=res.num_cached_tokens,
+                num_output_tokens=len(res.token_ids),
+            )
+            if self.params.logprobs:
+                lps = res.token_logprobs or []
+                r.update(cumulative_logprob=float(math.fsum(lps)), token_logprobs=lps)
+            rows.append(r)
+            self.totals.samples += 1
+            self.totals.prompt_tokens += res.num_prompt_tokens
+            self.totals.cached_prompt_tokens += res.num_cached_tokens
+            self.totals.output_tokens += len(res.token_ids)
+        self.totals.rows += 1
+        self.writer.add_row_group(rows)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def windows(self) -> Iterator[list[InputRow]]:
+        return self.dataset.iter_windows(self.job.input.window_rows, skip_ids=self.done_ids)
+
+    def run(self) -> dict[str, Any]:
+        signals = _Signals()
+        signals.install()
+        start = time.perf_counter()
+        bar = tqdm(
+            total=self.dataset.num_rows, initial=len(self.done_ids), unit="row",
+            disable=self.quiet, file=sys.stderr, dynamic_ncols=True,
+        )
+        windows = self.windows()
+        exhausted = False
+        # Keep enough queued for full batches; read the next window only when the queue runs low.
+        low_water = 2 * self.job.engine.max_num_seqs
+        try:
+            while not signals.stop:
+                while not exhausted and self.engine.num_waiting_targets < low_water:
+                    window = next(windows, None)
+                    if window is None:
+                        exhausted = True
+                    else:
+                        rows_before = self.totals.rows
+                        self.feed(window)
+                        bar.update(self.totals.rows - rows_before)
+                if not self.engine.has_work():
+                    break
+                rows_before = self.totals.rows
+                self.collect(self.engine.step())
+                bar.update(self.totals.rows - rows_before)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix(
+                    tok_s=f"{self.totals.output_tokens / max(elapsed, 1e-9):.0f}",
+                    cache=f"{100 * self.totals.hit_rate():.0f}%",
+                    refresh=False,
+                )
+                self.writer.maybe_commit()
+            self.writer.commit()
+        finally:
+            bar.close()
+            signals.restore()
+        elapsed = time.perf_counter() - start
+        finished = not signals.stop
+        if finished:
+            self.folder.mark_finished()
+        report = self.report(elapsed, finished)
+        self.folder.write_report(report)
+        print(self.summary(report), file=sys.stderr)
+        if signals.stop:
+            raise Interrupted(f"interrupted; {report['rows']} rows saved this run")
+        return report
+
+    def report(self, elapsed: float, finished: bool) -> dict[str, Any]:
+        t = self.totals
+        stats = self.engine.stats
+        return {
+            "finished": finished,
+            "rows": t.rows,
+            "rows_already_done": len(self.done_ids),
+            "rows_total": self.dataset.num_rows,
+            "samples": t.samples,
+            "prompt_tokens": t.prompt_tokens,
+            "cached_prompt_tokens": t.cached_prompt_tokens,
+            "computed_prompt_tokens": t.prompt_tokens - t.cached_prompt_tokens,
+            "cache_hit_rate": round(t.hit_rate(), 4),
+            "output_tokens": t.output_tokens,
+            "elapsed_s": round(elapsed, 3),
+            "output_tokens_per_s": round(t.output_tokens / elapsed, 2) if elapsed > 0 else 0.0,
+            "preemptions": self.engine.scheduler.num_preemptions,
+            "errors": t.errors,
+            "kv_blocks": self.engine.config.num_blocks,
+            "kv_block_size": self.engine.config.block_size,
+            "peak_kv_blocks_used": self.engine.scheduler.peak_blocks_used,
+            "kv_waste": round(stats.waste, 4),
+            "engine_steps": stats.steps,
+            "device": str(self.place.device),
+            "dtype": str(self.place.dtype).removeprefix("torch."),
+            "attention_backend": self.place.backend,
+        }
+
+    @staticmethod
+    def summary(r: dict[str, Any]) -> str:
+        state = "done" if r["finished"] else "interrupted"
+        return (
+            f"batchgen: {state}: {r['rows']} rows, {r['samples']} samples, "
+            f"{r['output_tokens']} output tokens in {r['elapsed_s']:.1f}s "
+            f"({r['output_tokens_per_s']:.0f} tok/s), prefix cache hit "
+            f"{100 * r['cache_hit_rate']:.0f}%, {r['preemptions']} preemptions, "
+            f"{r['errors']} errors"
+        )
+
+
+class RowProblem(Exception):
+    """Why one input row cannot be generated; it becomes an error row."""
+
+
+def _copy_blocks_fn(backend: str):
+    if backend == "triton":
+        from batchgen.kernels import copy_blocks
+
+        return copy_blocks
+    from batchgen.kernels.reference import copy_blocks_ref
+
+    return copy_blocks_ref
+
+
+def run(job: Job, fresh: bool = False, quiet: bool = False) -> dict[str, Any]:
+    return JobRun(job, fresh, quiet).run()

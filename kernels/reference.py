@@ -1,0 +1,90 @@
+"""Plain PyTorch twins of the Triton kernels, with the same signatures.
+
+Written to be obviously correct rather than fast (Python loops over tokens and sequences); they
+are the tests' reference and document the kernels' semantics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Reference ``store_kv``: ``cache[slot // block_size, slot % block_size] = k[t]``.
+
+    k, v ``[T, Hkv, D]``; caches ``[num_blocks, block_size, Hkv, D]``; slot_mapping ``[T]``,
+    negative slots are skipped.
+    """
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        k_cache[block, offset] = k[t].to(k_cache.dtype)
+        v_cache[block, offset] = v[t].to(v_cache.dtype)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Reference ``paged_attention``: per sequence, gather its keys and run masked softmax in fp32.
+
+    ``max_seqlen_q``, ``max_seqlen_k`` and ``num_splits`` only steer the kernel's launch and are
+    ignored here.
+    """
+    del max_seqlen_q, max_seqlen_k, num_splits
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = cu[b], cu[b + 1]
+        q_len = q_end - q_start
+        context_len = seq_len - q_len
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[b, :num_blocks].long()
+        # [num_blocks, block_size, Hkv, D] -> [seq_len, Hkv, D] -> [Hq, seq_len, D]
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len].float()
+        values = v_cache[blocks].flatten(0, 1)[:seq_len].float()
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        queries = q[q_start:q_end].float().transpose(0, 1)  # [Hq, q_len, D]
+
+        scores = queries @ keys.transpose(1, 2) * scale  # [Hq, q_len, seq_len]
+        q_pos = torch.arange(q_len, device=q.device)[:, None] + context_len
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = (probs @ values).transpose(0, 1).to(out.dtype)  # [q_len, Hq, D]
+    return out
+
+
+def copy_blocks_ref(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Reference ``copy_blocks``: ``kv_cache[:, :, dst[i]] = kv_cache[:, :, src[i]]`` for each i.
+
+    kv_cache ``[L, 2, num_blocks, block_size, Hkv, D]``. Asserts the kernel's preconditions
+    (distinct destinations, none of them a source), under which copy order does not matter.
+    """
+    src_ids, dst_ids = src.tolist(), dst.tolist()
+    assert len(set(dst_ids)) == len(dst_ids), "dst block ids must be distinct"
+    assert not set(src_ids) & set(dst_ids), "a block may not be both a source and a destination"
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        kv_cache[:, :, d] = kv_cache[:, :, s]

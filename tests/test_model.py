@@ -1,0 +1,425 @@
+"""Model, attention and loader tests: parity with transformers on tiny random models.
+
+Our model runs over a paged KV cache (random block tables, unused blocks filled with NaN), with
+prompts computed in two chunks and then single-token decode steps, several sequences of different
+lengths in one batch; its logits must equal transformers' teacher-forced logits in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.errors import ModelError
+from batchgen.model.attention import (
+    AttentionMetadata,
+    TorchAttention,
+    make_attention_backend,
+)
+from batchgen.model.loader import (
+    load_model,
+    load_tokenizer,
+    model_identity,
+    read_model_info,
+)
+from batchgen.tiny_model import (
+    EOS_ID,
+    END_OF_TURN_ID,
+    make_tiny_model,
+    make_words,
+    write_prompts_parquet,
+)
+
+CPU = torch.device("cpu")
+
+# name -> (make_tiny_model kwargs, block size). Together they cover GQA, MHA and MQA, a head_dim
+# that is not hidden/heads, tied and untied embeddings, a sharded checkpoint, Qwen2's q/k/v bias
+# and Qwen3's q/k norms.
+CASES: dict[str, tuple[dict, int]] = {
+    "llama": (dict(arch="llama", num_heads=4, num_kv_heads=2, head_dim=24, sharded=True), 4),
+    "mistral": (dict(arch="mistral", num_heads=4, num_kv_heads=4, tie_word_embeddings=True), 16),
+    "qwen2": (dict(arch="qwen2", num_heads=4, num_kv_heads=1, tie_word_embeddings=True), 4),
+    "qwen3": (dict(arch="qwen3", num_heads=8, num_kv_heads=2, head_dim=16), 16),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_tiny_model(root / name, **kw) for name, (kw, _) in CASES.items()}
+
+
+def hf_logits(model_dir: Path, seqs: list[list[int]]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [hf(torch.tensor([s])).logits[0].float() for s in seqs]
+
+
+def new_cache(model, num_blocks: int, block_size: int) -> torch.Tensor:
+    cfg = model.cfg
+    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return torch.full(shape, float("nan"))  # a stray read of an unused slot shows as NaN
+
+
+def run_paged(
+    model,
+    seqs: list[list[int]],
+    schedules: list[list[int]],
+    block_size: int,
+    gen: torch.Generator,
+) -> list[torch.Tensor]:
+    """Teacher-forced logits of each sequence ``[len, vocab]``: step s feeds every sequence its
+    next chunk ``schedules[b][s]`` (if any) through the paged cache with random block tables."""
+    lens = [len(s) for s in seqs]
+    assert [sum(c) for c in schedules] == lens
+    need = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(need) + 6
+    # block 0 (the block-table padding value) and a few others are never allocated: all NaN
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, start = [], 0
+    for n in need:
+        tables.append(perm[start : start + n])
+        start += n
+    kv_cache = new_cache(model, num_blocks, block_size)
+
+    out = [torch.empty(n, model.cfg.vocab_size) for n in lens]
+    done = [0] * len(seqs)
+    for step in range(max(len(c) for c in schedules)):
+        active = [b for b in range(len(seqs)) if step < len(schedules[b])]
+        ids, pos, slots, cu, seq_lens = [], [], [], [0], []
+        for b in active:
+            chunk = schedules[b][step]
+            p = list(range(done[b], done[b] + chunk))
+            ids += seqs[b][done[b] : done[b] + chunk]
+            pos += p
+            slots += [tables[b][i // block_size] * block_size + i % block_size for i in p]
+            cu.append(cu[-1] + chunk)
+            seq_lens.append(done[b] + chunk)
+        max_blocks = max(need)
+        bt = torch.zeros(len(active), max_blocks, dtype=torch.int32)
+        for row, b in enumerate(active):
+            valid = math.ceil(seq_lens[row] / block_size)
+            bt[row, :valid] = torch.tensor(tables[b][:valid])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=bt,
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            max_seqlen_q=max(cu[i + 1] - cu[i] for i in range(len(active))),
+            max_seqlen_k=max(seq_lens),
+        )
+        with torch.no_grad():
+            hidden = model(torch.tensor(ids), torch.tensor(pos), kv_cache, meta)
+            logits = model.compute_logits(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (len(ids), model.cfg.vocab_size)
+        for row, b in enumerate(active):
+            chunk = schedules[b][step]
+            out[b][done[b] : done[b] + chunk] = logits[cu[row] : cu[row + 1]]
+            done[b] += chunk
+    return out
+
+
+def schedules_for(block_size: int) -> list[list[int]]:
+    """Two prompt chunks, then decode steps; lengths 1 and exact multiples of the block size."""
+    bs = block_size
+    return [
+        [1, 1, 1, 1],  # a one-token prompt, decoding while the others prefill
+        [bs, bs, 1, 1, 1],  # prompt of exactly two blocks
+        [5, 8, 1, 1, 1, 1],
+        [bs - 1, 1, 1, 1],  # ends on a block boundary after the first decode
+        [3 * bs + 2, 3, 1, 1, 1],  # long cached prefix, short second chunk
+        [2, 2 * bs + 5, 1, 1],  # short prefix, long second chunk
+    ]
+
+
+def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert torch.isfinite(ours).all()
+    scale = ref.abs().max().item()
+    err = (ours - ref).abs().max().item()
+    assert err <= 1e-4 * max(scale, 1.0), f"max abs err {err:.3g} at logit scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_paged_logits_match_transformers(name: str, model_dirs: dict[str, Path]) -> None:
+    kw, block_size = CASES[name]
+    model_dir = model_dirs[name]
+    model, info = load_model(model_dir, CPU, torch.float32, TorchAttention())
+    gen = torch.Generator().manual_seed(len(name))
+    schedules = schedules_for(block_size)
+    seqs = [torch.randint(0, info.vocab_size, (sum(c),), generator=gen).tolist() for c in schedules]
+    ours = run_paged(model, seqs, schedules, block_size, gen)
+    for o, r in zip(ours, hf_logits(model_dir, seqs)):
+        assert_close_logits(o, r)
+
+
+def greedy(model, prompts: list[list[int]], max_new: int, eos: set[int]) -> list[list[int]]:
+    """Our model alone: batched prefill of every prompt, then batched greedy decode steps."""
+    block_size = 8
+    need = [math.ceil((len(p) + max_new) / block_size) for p in prompts]
+    kv_cache = new_cache(model, sum(need) + 1, block_size)
+    tables, start = [], 1
+    for n in need:
+        tables.append(list(range(start, start + n)))
+        start += n
+    seqs = [list(p) for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    new = [list(p) for p in prompts]  # tokens to feed this step
+    while True:
+        active = [b for b in range(len(seqs)) if new[b]]
+        if not active:
+            return outs
+        ids, pos, slots, cu = [], [], [], [0]
+        for b in active:
+            first = len(seqs[b]) - len(new[b])
+            p = list(range(first, len(seqs[b])))
+            ids += new[b]
+            pos += p
+            slots += [tables[b][i // block_size] * block_size + i % block_size for i in p]
+            cu.append(cu[-1] + len(new[b]))
+        lens = [len(seqs[b]) for b in active]
+        bt = torch.tensor([tables[b] + [0] * (max(need) - len(tables[b])) for b in active])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            block_tables=bt.to(torch.int32),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            max_seqlen_q=max(len(new[b]) for b in active),
+            max_seqlen_k=max(lens),
+        )
+        with torch.no_grad():
+            hidden = model(torch.tensor(ids), torch.tensor(pos), kv_cache, meta)
+            last = hidden[torch.tensor(cu[1:]) - 1]
+            next_ids = model.compute_logits(last).argmax(-1).tolist()
+        for b, tok in zip(active, next_ids):
+            outs[b].append(tok)
+            seqs[b].append(tok)
+            done = tok in eos or len(outs[b]) >= max_new
+            new[b] = [] if done else [tok]
+
+
+def test_greedy_matches_transformers_generate(model_dirs: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_dirs["qwen3"]
+    model, info = load_model(model_dir, CPU, torch.float32, TorchAttention())
+    tok = load_tokenizer(model_dir)
+    prompts = [tok(" ".join(make_words(n, seed=n)))["input_ids"] for n in (3, 11)]
+    ours = greedy(model, prompts, max_new=12, eos=set(info.eos_token_ids))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+        assert got == ref
+
+
+def reference_attention(q, k_cache, v_cache, meta, scale):
+    """Per-sequence, per-head loop over an explicitly gathered context (the obvious way)."""
+    bs = k_cache.shape[1]
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
+    for b, n in enumerate(lens):
+        slots = [int(meta.block_tables[b, i // bs]) * bs + i % bs for i in range(n)]
+        k = k_cache.reshape(-1, hkv, k_cache.shape[-1])[slots]  # [n, Hkv, D]
+        v = v_cache.reshape(-1, hkv, v_cache.shape[-1])[slots]
+        qb = q[cu[b] : cu[b + 1]]  # [q_len, Hq, D]
+        q_pos = torch.arange(n - qb.shape[0], n)
+        mask = torch.arange(n)[None, :] <= q_pos[:, None]  # [q_len, n]
+        for h in range(hq):
+            s = (qb[:, h] @ k[:, h // (hq // hkv)].T) * scale
+            s = s.masked_fill(~mask, float("-inf"))
+            out[cu[b] : cu[b + 1], h] = s.softmax(-1) @ v[:, h // (hq // hkv)]
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv,block_size", [(4, 2, 4), (3, 3, 16), (8, 1, 8)])
+def test_torch_attention_matches_reference(hq: int, hkv: int, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(hq * 100 + block_size)
+    d = 8
+    # (new tokens, cached tokens) per sequence: decodes of different lengths, fresh prefills,
+    # chunks after a cached prefix, one very long sequence (so that groups split)
+    shapes = [(1, 0), (1, 7), (1, 16), (1, 300), (5, 0), (16, 0), (40, 0), (3, 13), (9, 32), (2, 200)]
+    need = [math.ceil((q + c) / block_size) for q, c in shapes]
+    num_blocks = sum(need) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    bt = torch.zeros(len(shapes), max(need), dtype=torch.int32)
+    slots, cu, start = [], [0], 0
+    for b, (q_len, cached) in enumerate(shapes):
+        table = perm[start : start + need[b]]
+        start += need[b]
+        bt[b, : need[b]] = torch.tensor(table)
+        for i in range(cached):  # the cached prefix is already in the cache
+            s = table[i // block_size] * block_size + i % block_size
+            k_cache.view(-1, hkv, d)[s] = torch.randn(hkv, d, generator=gen)
+            v_cache.view(-1, hkv, d)[s] = torch.randn(hkv, d, generator=gen)
+        slots += [table[i // block_size] * block_size + i % block_size for i in range(cached, cached + q_len)]
+        cu.append(cu[-1] + q_len)
+    t = cu[-1]
+    q = torch.randn(t, hq, d, generator=gen)
+    k = torch.randn(t, hkv, d, generator=gen)
+    v = torch.randn(t, hkv, d, generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=bt,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor([q + c for q, c in shapes], dtype=torch.int32),
+        max_seqlen_q=max(q for q, _ in shapes),
+        max_seqlen_k=max(q + c for q, c in shapes),
+    )
+    backend = make_attention_backend("torch")
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.3)
+    assert meta.torch_plan is not None and len(meta.torch_plan.groups) >= 3
+    # a second layer reuses the plan
+    out2 = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
+    ref = reference_attention(q, k_cache, v_cache, meta, 0.3)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out2, out)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+    ],
+    ids=lambda r: r["rope_type"],
+)
+def test_rope_scaling_matches_transformers(rope: dict, tmp_path: Path) -> None:
+    model_dir = make_tiny_model(
+        tmp_path / "m", "llama", num_layers=1, config_overrides={"rope_parameters": rope}
+    )
+    model, info = load_model(model_dir, CPU, torch.float32, TorchAttention())
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, info.vocab_size, (300,), generator=gen).tolist()
+    (ours,) = run_paged(model, [seq], [[200, 100]], 16, gen)
+    assert_close_logits(ours, hf_logits(model_dir, [seq])[0])
+
+
+def test_model_info_and_identity(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    info = read_model_info(model_dirs["llama"])
+    assert info.architecture == "LlamaForCausalLM"
+    assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (2, 4, 2, 24)
+    assert (info.hidden_size, info.vocab_size, info.max_model_len) == (64, 512, 512)
+    assert info.eos_token_ids == (EOS_ID, END_OF_TURN_ID)
+    assert info.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 24 * 4
+    assert info.kv_bytes_per_token(torch.bfloat16) == 2 * 2 * 2 * 24 * 2
+
+    # a Mistral sliding window below max_position_embeddings caps the usable length
+    copy = shutil.copytree(model_dirs["mistral"], tmp_path / "mistral")
+    cfg = json.loads((copy / "config.json").read_text())
+    ident = model_identity(copy)
+    assert ident == model_identity(model_dirs["mistral"])  # content, not path
+    cfg["sliding_window"] = 128
+    (copy / "config.json").write_text(json.dumps(cfg))
+    assert read_model_info(copy).max_model_len == 128
+    assert model_identity(copy) != ident
+
+
+def test_tiny_model_round_trip(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    tok = load_tokenizer(model_dirs["llama"])
+    text = " ".join(make_words(20, seed=3))
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id and len(ids) < len(text)
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert tok.eos_token_id == EOS_ID
+    assert max(ids) < read_model_info(model_dirs["llama"]).vocab_size
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "kaba lomi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == "<s><|user|>\nkaba lomi<|end|>\n<|assistant|>\n"
+    assert make_words(50, seed=1) == make_words(50, seed=1) != make_words(50, seed=2)
+
+    table = pq.read_table(write_prompts_parquet(tmp_path / "p.parquet", 10, seed=1))
+    assert table.column_names == ["id", "prompt"] and table.num_rows == 10
+    assert table.column("id").to_pylist() == list(range(10))
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    return shutil.copytree(src, dst)
+
+
+def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    backend = TorchAttention()
+
+    def load(path: Path) -> None:
+        load_model(path, CPU, torch.float32, backend)
+
+    with pytest.raises(ModelError, match="model folder not found"):
+        load(tmp_path / "nowhere")
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelError, match="config.json not found"):
+        load(empty)
+
+    bad_json = _copy_model(model_dirs["mistral"], tmp_path / "bad_json")
+    (bad_json / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="invalid config.json"):
+        load(bad_json)
+
+    gpt2 = _copy_model(model_dirs["mistral"], tmp_path / "gpt2")
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (gpt2 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match="unsupported architecture GPT2LMHeadModel.*LlamaForCausalLM"):
+        read_model_info(gpt2)
+
+    no_weights = _copy_model(model_dirs["mistral"], tmp_path / "no_weights")
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(ModelError, match="no weights"):
+        load(no_weights)
+
+    truncated = _copy_model(model_dirs["mistral"], tmp_path / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelError, match="corrupt or truncated safetensors file .*model.safetensors"):
+        load(truncated)
+
+    from safetensors.torch import load_file, save_file
+
+    missing = _copy_model(model_dirs["mistral"], tmp_path / "missing")
+    tensors = load_file(missing / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, missing / "model.safetensors")
+    with pytest.raises(ModelError, match="tensor model.layers.1.mlp.up_proj.weight missing"):
+        load(missing)
+
+    bad_shard = _copy_model(model_dirs["llama"], tmp_path / "bad_shard")
+    next(bad_shard.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(ModelError, match="weight shard .* not found"):
+        load(bad_shard)
+
+    no_tok = _copy_model(model_dirs["mistral"], tmp_path / "no_tok")
+    (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(ModelError, match="no tokenizer"):
+        load_tokenizer(no_tok)
+
+    for err_dir in (gpt2, truncated, missing):
+        with pytest.raises(ModelError) as info:
+            load(err_dir)
+        assert "\n" not in str(info.value)
