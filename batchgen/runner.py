@@ -32,7 +32,7 @@ from batchgen.model.attention import make_attention_backend
 from batchgen.model.loader import ModelInfo, load_model, load_tokenizer, model_identity, read_model_info
 from batchgen.results import OutputFolder, output_schema, read_status
 
-CPU_KV_CACHE_CAP = 4 << 30  # bytes: "auto" never takes more than this on a CPU
+CPU_KV_CACHE_CAP = 1 << 30  # bytes: "auto" never takes more than this on a CPU
 CPU_KV_CACHE_SHARE = 0.25  # of available memory, for "auto" on a CPU
 GPU_KV_CACHE_SHARE = 0.85  # of free device memory after the model is loaded
 

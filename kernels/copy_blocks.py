@@ -18,7 +18,12 @@ def _copy_blocks_kernel(
     cache_ptr,  # [L, 2, num_blocks, block_size, Hkv, D]
     src_ptr,  # [P] integer block ids
     dst_ptr,  # [P] integer block ids
-    stride_l, stride_kv, stride_b, stride_s, stride_h, stride_d,
+    stride_l,
+    stride_kv,
+    stride_b,
+    stride_s,
+    stride_h,
+    stride_d,
     num_kv_heads,
     head_dim,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -58,7 +63,9 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
             distinct and no ``dst`` id is also a ``src`` id (copies run in parallel).
     """
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache must be [L, 2, num_blocks, block_size, Hkv, D], got {kv_cache.shape}")
+        raise ValueError(
+            f"kv_cache must be [L, 2, num_blocks, block_size, Hkv, D], got {kv_cache.shape}"
+        )
     if src.dim() != 1 or src.shape != dst.shape:
         raise ValueError(f"src and dst must be [P] of one shape, got {src.shape} and {dst.shape}")
     if src.dtype.is_floating_point or dst.dtype.is_floating_point:
@@ -69,14 +76,20 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     if num_pairs == 0 or num_layers == 0:
         return
     check_launchable(_copy_blocks_kernel, kv_cache)
+    src, dst = src.contiguous(), dst.contiguous()  # indexed with a unit stride
 
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
     grid = (num_pairs, num_layers * 2, triton.cdiv(num_kv_heads, block_h))
     _copy_blocks_kernel[grid](
-        kv_cache, src, dst,
+        kv_cache,
+        src,
+        dst,
         *kv_cache.stride(),
-        num_kv_heads, head_dim,
-        BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_kv_heads,
+        head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
         num_warps=4,
     )

@@ -42,8 +42,10 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     ``T // BLOCK_Q + B`` is an upper bound computed without reading device memory. Returns the
     largest b with ``start(b) <= pid`` (binary search; start(0) = 0 <= pid always).
     """
-    lo = num_seqs * 0  # an int32 tensor like hi, so the loop-carried types match
-    hi = num_seqs  # invariant: start(lo) <= pid, and hi == num_seqs or start(hi) > pid
+    # Both bounds are int32 tensors even when the launcher turns num_seqs == 1 into a constant,
+    # so the loop-carried types stay fixed.
+    lo = pid * 0
+    hi = lo + num_seqs  # invariant: start(lo) <= pid, and hi == num_seqs or start(hi) > pid
     while hi - lo > 1:
         mid = (lo + hi) // 2
         start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
@@ -69,11 +71,21 @@ def _paged_attention_kernel(
     num_seqs,
     num_heads,
     head_dim,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
     stride_bt,
-    stride_ot, stride_oh, stride_od,
+    stride_ot,
+    stride_oh,
+    stride_od,
     NUM_QUERIES_PER_KV: tl.constexpr,  # G = Hq / Hkv
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q * G rounded up to a power of two
@@ -146,7 +158,8 @@ def _paged_attention_kernel(
             + kv_head64 * stride_kh
             + dims64[:, None] * stride_kd
         )
-        k = tl.load(k_cache_ptr + k_off, mask=kv_mask_t, other=0.0).to(DOT_DTYPE)  # [BLOCK_D, TILE_N]
+        k = tl.load(k_cache_ptr + k_off, mask=kv_mask_t, other=0.0)  # [BLOCK_D, TILE_N]
+        k = k.to(DOT_DTYPE)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] fp32
         causal = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
@@ -175,7 +188,9 @@ def _paged_attention_kernel(
         # Every valid row saw key 0 (q_pos >= 0), so l_i > 0 there.
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
-        o_off = tok64[:, None] * stride_ot + head64[:, None] * stride_oh + dims64[None, :] * stride_od
+        o_off = (
+            tok64[:, None] * stride_ot + head64[:, None] * stride_oh + dims64[None, :] * stride_od
+        )
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # Partial output normalised by its own sum, plus its base-2 log-sum-exp
@@ -196,7 +211,9 @@ def _merge_splits_kernel(
     out_ptr,  # [T, Hq, D]
     num_heads,
     head_dim,
-    stride_ot, stride_oh, stride_od,
+    stride_ot,
+    stride_oh,
+    stride_od,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next_pow2(NUM_SPLITS)
     BLOCK_D: tl.constexpr,  # next_pow2(head_dim)
@@ -318,17 +335,30 @@ def paged_attention(
         raise ValueError(f"unsupported dtype {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q is {q.dtype} but the caches are {k_cache.dtype}, {v_cache.dtype}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.dim() != 2:
         raise ValueError("need cu_seqlens_q [B+1], seq_lens [B] and block_tables [B, max_blocks]")
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
+    for name, t in (
+        ("block_tables", block_tables),
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("seq_lens", seq_lens),
+    ):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    # The kernel indexes these with unit inner strides (no-ops when already contiguous).
+    block_tables, cu_seqlens_q, seq_lens = (
+        block_tables.contiguous(),
+        cu_seqlens_q.contiguous(),
+        seq_lens.contiguous(),
+    )
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
     check_same_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -363,22 +393,53 @@ def paged_attention(
         part_out = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
-        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device
+        )
 
     grid = (num_q_blocks, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E, num_seqs, num_heads, head_dim,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=tile_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * _LOG2E,
+        num_seqs,
+        num_heads,
+        head_dim,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        *out.stride(),
+        NUM_QUERIES_PER_KV=group,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=dot_precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, num_heads, head_dim, *out.stride(),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            part_out,
+            part_lse,
+            out,
+            num_heads,
+            head_dim,
+            *out.stride(),
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
             num_warps=4,
         )
     return out

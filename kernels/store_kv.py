@@ -22,10 +22,20 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     slot_ptr,  # [T] int64
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     num_kv_heads,
     head_dim,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -103,15 +113,26 @@ def store_kv(
     if num_tokens == 0:
         return
     check_launchable(_store_kv_kernel, k)
+    slot_mapping = slot_mapping.contiguous()  # indexed with a unit stride
 
     block_d = triton.next_power_of_2(head_dim)
     # Keep a tile at <= 2048 elements; heads beyond that go to the second grid axis.
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 2048 // block_d))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _store_kv_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        num_kv_heads, head_dim,
-        BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_D=block_d,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        num_kv_heads,
+        head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
         num_warps=4,
     )

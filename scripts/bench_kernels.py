@@ -27,9 +27,10 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from itertools import accumulate
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -38,6 +39,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # Reference timing and full-batch reference checks only below this many cached tokens.
 REF_MAX_TOKENS = 16_384
 REF_SAMPLE_SEQS = 8
+
+Timer = Callable[[Callable[[], object]], float]  # milliseconds per call of a thunk
 
 
 @dataclass
@@ -55,7 +58,6 @@ class Result:
     ref_ms: float | None = None
     speedup: float | None = None
     max_abs_err: float | None = None
-    extra: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -63,7 +65,7 @@ class Result:
 # --------------------------------------------------------------------------------------------
 
 
-def make_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+def make_timer(device: torch.device) -> Timer:
     """Milliseconds per call: do_bench on a GPU, a plain wall-clock loop on the CPU (smoke)."""
     if device.type == "cuda":
         import triton.testing
@@ -79,7 +81,7 @@ def make_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     return cpu_time
 
 
-def copy_bandwidth(device: torch.device, timer: Callable, smoke: bool) -> float:
+def copy_bandwidth(device: torch.device, timer: Timer, smoke: bool) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     numel = (1 << 20) if smoke else (1 << 30)  # 2 GiB of bf16 on a GPU
     src = torch.empty(numel, dtype=torch.bfloat16, device=device).fill_(1.0)
@@ -108,8 +110,15 @@ class Batch:
 
     def args(self) -> tuple:
         return (
-            self.q, self.k_cache, self.v_cache, self.block_tables, self.cu_seqlens_q,
-            self.seq_lens, self.q.shape[-1] ** -0.5, max(self.q_lens), max(self.kv_lens),
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.cu_seqlens_q,
+            self.seq_lens,
+            self.q.shape[-1] ** -0.5,
+            max(self.q_lens),
+            max(self.kv_lens),
         )
 
     def subset(self, seqs: list[int]) -> Batch:
@@ -120,14 +129,25 @@ class Batch:
         cu = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=q.device)
         index = torch.tensor(seqs, device=q.device)
         return Batch(
-            q, self.k_cache, self.v_cache, self.block_tables[index], cu, self.seq_lens[index],
-            q_lens, [self.kv_lens[b] for b in seqs],
+            q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables[index],
+            cu,
+            self.seq_lens[index],
+            q_lens,
+            [self.kv_lens[b] for b in seqs],
         )
 
 
 def make_batch(
-    q_lens: list[int], kv_lens: list[int], dtype: torch.dtype, device: torch.device,
-    num_heads: int = NUM_HEADS, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
+    q_lens: list[int],
+    kv_lens: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    num_heads: int = NUM_HEADS,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_dim: int = HEAD_DIM,
     block_size: int = BLOCK_SIZE,
 ) -> Batch:
     """Random q and K/V; every sequence gets its own blocks from a random permutation."""
@@ -171,12 +191,16 @@ def attention_flops(batch: Batch) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def check_attention(kernels, reference, batch: Batch, num_splits: int | None) -> float:
+def check_attention(
+    kernels: ModuleType, reference: ModuleType, batch: Batch, num_splits: int | None
+) -> float:
     """Max abs error of the kernel vs the reference on (a sample of) the batch's sequences."""
     num_seqs = len(batch.kv_lens)
     if sum(batch.kv_lens) > REF_MAX_TOKENS and num_seqs > REF_SAMPLE_SEQS:
         step = num_seqs / REF_SAMPLE_SEQS
-        batch = batch.subset(sorted({int(i * step) for i in range(REF_SAMPLE_SEQS)} | {num_seqs - 1}))
+        batch = batch.subset(
+            sorted({int(i * step) for i in range(REF_SAMPLE_SEQS)} | {num_seqs - 1})
+        )
     actual = kernels.paged_attention(*batch.args(), num_splits=num_splits).float()
     expected = reference.paged_attention_ref(*batch.args()).float()
     err = (actual - expected).abs().max().item()
@@ -186,9 +210,19 @@ def check_attention(kernels, reference, batch: Batch, num_splits: int | None) ->
 
 
 def bench_attention(
-    kernels, reference, timer, copy_bw: float, kind: str, q_lens: list[int], kv_lens: list[int],
-    dtype: torch.dtype, device: torch.device, num_splits: int | None, **shape: int,
+    kernels: ModuleType,
+    reference: ModuleType,
+    timer: Timer,
+    copy_bw: float,
+    kind: str,
+    q_lens: list[int],
+    kv_lens: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    num_splits: int | None,
+    **shape: int,
 ) -> Result:
+    """Check one attention step against the reference, then time it."""
     batch = make_batch(q_lens, kv_lens, dtype, device, **shape)
     err = check_attention(kernels, reference, batch, num_splits)
     out = torch.empty_like(batch.q)
@@ -208,14 +242,29 @@ def bench_attention(
     b, lq, lk = len(kv_lens), max(q_lens), max(kv_lens)
     label = f"B={b} q={lq} kv={lk}" + ("" if num_splits is None else f" splits={num_splits}")
     return Result(
-        kernel=f"attention/{kind}", case=label, time_ms=ms, bytes=nbytes,
-        gb_per_s=nbytes / (ms * 1e-3) / 1e9, frac_copy_bw=nbytes / (ms * 1e-3) / copy_bw,
-        num_splits=splits, tflops=attention_flops(batch) / (ms * 1e-3) / 1e12,
-        ref_ms=ref_ms, speedup=speedup, max_abs_err=err,
+        kernel=f"attention/{kind}",
+        case=label,
+        time_ms=ms,
+        bytes=nbytes,
+        gb_per_s=nbytes / (ms * 1e-3) / 1e9,
+        frac_copy_bw=nbytes / (ms * 1e-3) / copy_bw,
+        num_splits=splits,
+        tflops=attention_flops(batch) / (ms * 1e-3) / 1e12,
+        ref_ms=ref_ms,
+        speedup=speedup,
+        max_abs_err=err,
     )
 
 
-def bench_store_kv(kernels, reference, timer, copy_bw, num_tokens: int, dtype, device) -> Result:
+def bench_store_kv(
+    kernels: ModuleType,
+    reference: ModuleType,
+    timer: Timer,
+    copy_bw: float,
+    num_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Result:
     num_blocks = math.ceil(num_tokens / BLOCK_SIZE) + 8
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -237,13 +286,28 @@ def bench_store_kv(kernels, reference, timer, copy_bw, num_tokens: int, dtype, d
     nbytes = 2 * 2 * k.numel() * k.element_size() + slots.numel() * 8  # read k,v; write both
     ref_ms = timer(lambda: reference.store_kv_ref(k, v, k_ref, v_ref, slots)) if small else None
     return Result(
-        kernel="store_kv", case=f"T={num_tokens}", time_ms=ms, bytes=nbytes,
-        gb_per_s=nbytes / (ms * 1e-3) / 1e9, frac_copy_bw=nbytes / (ms * 1e-3) / copy_bw,
-        ref_ms=ref_ms, speedup=None if ref_ms is None else ref_ms / ms, max_abs_err=0.0,
+        kernel="store_kv",
+        case=f"T={num_tokens}",
+        time_ms=ms,
+        bytes=nbytes,
+        gb_per_s=nbytes / (ms * 1e-3) / 1e9,
+        frac_copy_bw=nbytes / (ms * 1e-3) / copy_bw,
+        ref_ms=ref_ms,
+        speedup=None if ref_ms is None else ref_ms / ms,
+        max_abs_err=0.0,
     )
 
 
-def bench_copy_blocks(kernels, reference, timer, copy_bw, num_pairs: int, layers: int, dtype, device):
+def bench_copy_blocks(
+    kernels: ModuleType,
+    reference: ModuleType,
+    timer: Timer,
+    copy_bw: float,
+    num_pairs: int,
+    layers: int,
+    dtype: torch.dtype,
+    device: torch.device,
+):
     num_blocks = 2 * num_pairs + 4
     shape = (layers, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     kv = torch.randn(shape, dtype=dtype, device=device)
@@ -258,9 +322,15 @@ def bench_copy_blocks(kernels, reference, timer, copy_bw, num_pairs: int, layers
     nbytes = 2 * layers * 2 * num_pairs * kv[0, 0, 0].numel() * kv.element_size()
     ref_ms = timer(lambda: reference.copy_blocks_ref(kv, src, dst))
     return Result(
-        kernel="copy_blocks", case=f"P={num_pairs} L={layers}", time_ms=ms, bytes=nbytes,
-        gb_per_s=nbytes / (ms * 1e-3) / 1e9, frac_copy_bw=nbytes / (ms * 1e-3) / copy_bw,
-        ref_ms=ref_ms, speedup=ref_ms / ms, max_abs_err=0.0,
+        kernel="copy_blocks",
+        case=f"P={num_pairs} L={layers}",
+        time_ms=ms,
+        bytes=nbytes,
+        gb_per_s=nbytes / (ms * 1e-3) / 1e9,
+        frac_copy_bw=nbytes / (ms * 1e-3) / copy_bw,
+        ref_ms=ref_ms,
+        speedup=ref_ms / ms,
+        max_abs_err=0.0,
     )
 
 
@@ -271,19 +341,39 @@ def gpu_cases() -> list[dict]:
         for context in (512, 2048, 8192, 32768):
             if batch * context > 4 * 1024 * 1024:  # keep each cache under about 16 GiB
                 continue
-            cases.append(dict(kind="decode", q_lens=[1] * batch, kv_lens=[context] * batch, num_splits=None))
+            cases.append(
+                dict(kind="decode", q_lens=[1] * batch, kv_lens=[context] * batch, num_splits=None)
+            )
             if batch <= 8 and context >= 2048:  # what split-K buys
-                cases.append(dict(kind="decode", q_lens=[1] * batch, kv_lens=[context] * batch, num_splits=1))
+                cases.append(
+                    dict(kind="decode", q_lens=[1] * batch, kv_lens=[context] * batch, num_splits=1)
+                )
     # Ragged decode: lengths spread over 64..8192.
     ragged = [64 + (i * 8128) // 63 for i in range(64)]
     cases.append(dict(kind="decode", q_lens=[1] * 64, kv_lens=ragged, num_splits=None))
-    for batch, q_len, context in ((1, 8192, 0), (4, 2048, 0), (16, 512, 0), (4, 512, 4096), (1, 2048, 30720)):
+    for batch, q_len, context in (
+        (1, 8192, 0),
+        (4, 2048, 0),
+        (16, 512, 0),
+        (4, 512, 4096),
+        (1, 2048, 30720),
+    ):
         cases.append(
-            dict(kind="prefill", q_lens=[q_len] * batch, kv_lens=[context + q_len] * batch, num_splits=None)
+            dict(
+                kind="prefill",
+                q_lens=[q_len] * batch,
+                kv_lens=[context + q_len] * batch,
+                num_splits=None,
+            )
         )
     # A mixed step: 64 decodes plus two prefill chunks, one over a cached prefix.
     cases.append(
-        dict(kind="mixed", q_lens=[1] * 64 + [1024, 1024], kv_lens=[2048] * 64 + [1024, 3072], num_splits=None)
+        dict(
+            kind="mixed",
+            q_lens=[1] * 64 + [1024, 1024],
+            kv_lens=[2048] * 64 + [1024, 3072],
+            num_splits=None,
+        )
     )
     return cases
 
@@ -336,7 +426,9 @@ def compile_only() -> int:
                 signature[name] = "i32"
                 if ints[name] % 16 == 0:
                     attrs[(i,)] = [["tt.divisibility", 16]]
-        return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
+        return triton.compile(
+            ASTSource(fn, signature, constexprs, attrs), target=target, options=options
+        )
 
     def usage(kernel) -> tuple[str, bool]:
         if not cuobjdump.exists():
@@ -350,7 +442,10 @@ def compile_only() -> int:
         line = next((ln.strip() for ln in text.splitlines() if ln.strip().startswith("REG:")), text)
         fields = dict(part.split(":", 1) for part in line.split() if ":" in part)
         spills = fields.get("STACK", "0") != "0" or fields.get("LOCAL", "0") != "0"
-        return f"REG:{fields.get('REG')} STACK:{fields.get('STACK')} LOCAL:{fields.get('LOCAL')}", spills
+        return (
+            f"REG:{fields.get('REG')} STACK:{fields.get('STACK')} LOCAL:{fields.get('LOCAL')}",
+            spills,
+        )
 
     tl_dtypes = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     any_spills = False
@@ -367,66 +462,150 @@ def compile_only() -> int:
             return
         text, spills = usage(kernel)
         any_spills |= spills
-        print(f"ok    {name}: {text}{'  SPILLS' if spills else ''} ({time.perf_counter() - start:.1f}s)")
+        print(
+            f"ok    {name}: {text}{'  SPILLS' if spills else ''} ({time.perf_counter() - start:.1f}s)"
+        )
 
     # (dtype, G, D, max_seqlen_q, splits): each launch config, G at 1 / odd / power of two / wide.
     attention_variants = [
-        ("bf16", 4, 128, 1, 1), ("bf16", 4, 128, 1, 4), ("bf16", 4, 128, 17, 1),
-        ("bf16", 4, 128, 512, 1), ("bf16", 1, 128, 1, 1), ("bf16", 1, 128, 512, 1),
-        ("bf16", 3, 80, 1, 2), ("bf16", 3, 80, 512, 1), ("bf16", 32, 64, 1, 1),
-        ("fp16", 8, 64, 17, 2), ("fp32", 4, 128, 1, 1), ("fp32", 4, 128, 512, 1),
-        ("fp32", 32, 64, 1, 2), ("fp32", 3, 80, 17, 1), ("fp32", 64, 64, 1, 1), ("bf16", 64, 64, 1, 1),
+        ("bf16", 4, 128, 1, 1),
+        ("bf16", 4, 128, 1, 4),
+        ("bf16", 4, 128, 17, 1),
+        ("bf16", 4, 128, 512, 1),
+        ("bf16", 1, 128, 1, 1),
+        ("bf16", 1, 128, 512, 1),
+        ("bf16", 3, 80, 1, 2),
+        ("bf16", 3, 80, 512, 1),
+        ("bf16", 32, 64, 1, 1),
+        ("fp16", 8, 64, 17, 2),
+        ("fp32", 4, 128, 1, 1),
+        ("fp32", 4, 128, 512, 1),
+        ("fp32", 32, 64, 1, 2),
+        ("fp32", 3, 80, 17, 1),
+        ("fp32", 64, 64, 1, 1),
+        ("bf16", 64, 64, 1, 1),
     ]
-    for dtype, group, head_dim, max_q, splits in attention_variants:
+    for variant, (dtype, group, head_dim, max_q, splits) in enumerate(attention_variants):
         block_m, tile_n, num_warps, num_stages = pa._launch_config(max_q, group, dtype == "fp32")
         dot_dtype = tl_dtypes[dtype]
         ptr = "*" + dtype
         pointers = dict(
-            q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
-            cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", out_ptr=ptr,
-            part_out_ptr="*fp32", part_lse_ptr="*fp32",
+            q_ptr=ptr,
+            k_cache_ptr=ptr,
+            v_cache_ptr=ptr,
+            block_tables_ptr="*i32",
+            cu_seqlens_q_ptr="*i32",
+            seq_lens_ptr="*i32",
+            out_ptr=ptr,
+            part_out_ptr="*fp32",
+            part_lse_ptr="*fp32",
         )
         hkv, block_d = 8, triton.next_power_of_2(head_dim)
         hq = hkv * group
         ints = dict(
-            num_seqs=7, num_heads=hq, head_dim=head_dim,
-            stride_qt=hq * head_dim, stride_qh=head_dim, stride_qd=1,
-            stride_kb=BLOCK_SIZE * hkv * head_dim, stride_ks=hkv * head_dim, stride_kh=head_dim, stride_kd=1,
-            stride_vb=BLOCK_SIZE * hkv * head_dim, stride_vs=hkv * head_dim, stride_vh=head_dim, stride_vd=1,
-            stride_bt=64, stride_ot=hq * head_dim, stride_oh=head_dim, stride_od=1,
+            num_seqs=1 if variant % 2 else 7,  # 1 becomes a constant in the launcher
+            num_heads=hq,
+            head_dim=head_dim,
+            stride_qt=hq * head_dim,
+            stride_qh=head_dim,
+            stride_qd=1,
+            stride_kb=BLOCK_SIZE * hkv * head_dim,
+            stride_ks=hkv * head_dim,
+            stride_kh=head_dim,
+            stride_kd=1,
+            stride_vb=BLOCK_SIZE * hkv * head_dim,
+            stride_vs=hkv * head_dim,
+            stride_vh=head_dim,
+            stride_vd=1,
+            stride_bt=64,
+            stride_ot=hq * head_dim,
+            stride_oh=head_dim,
+            stride_od=1,
         )
         constexprs = dict(
-            NUM_QUERIES_PER_KV=group, BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=block_m,
-            BLOCK_Q=max(1, block_m // group), TILE_N=tile_n, BLOCK_D=block_d, NUM_SPLITS=splits,
-            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dtype == "fp32" else None,
+            NUM_QUERIES_PER_KV=group,
+            BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_M=block_m,
+            BLOCK_Q=max(1, block_m // group),
+            TILE_N=tile_n,
+            BLOCK_D=block_d,
+            NUM_SPLITS=splits,
+            DOT_DTYPE=dot_dtype,
+            DOT_PRECISION="ieee" if dtype == "fp32" else None,
         )
         name = (
             f"paged_attention {dtype} G={group} D={head_dim} max_q={max_q} splits={splits} "
             f"(M={block_m} N={tile_n} warps={num_warps} stages={num_stages})"
         )
-        report(name, lambda p=pointers, i=ints, c=constexprs, w=num_warps, s=num_stages: compile_like_jit(
-            pa._paged_attention_kernel, p, i, c, floats=("qk_scale",), num_warps=w, num_stages=s
-        ))
-    report("merge_splits bf16 S=5 D=128", lambda: compile_like_jit(
-        pa._merge_splits_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16"),
-        dict(num_heads=32, head_dim=128, stride_ot=4096, stride_oh=128, stride_od=1),
-        dict(NUM_SPLITS=5, BLOCK_S=8, BLOCK_D=128), num_warps=4,
-    ))
-    kv_ints = dict(stride_kt=3072, stride_kh=128, stride_kd=1, stride_vt=3072, stride_vh=128, stride_vd=1,
-                   stride_kcb=16384, stride_kcs=1024, stride_kch=128, stride_kcd=1,
-                   stride_vcb=16384, stride_vcs=1024, stride_vch=128, stride_vcd=1,
-                   num_kv_heads=8, head_dim=128)
-    report("store_kv bf16 Hkv=8 D=128", lambda: compile_like_jit(
-        sk._store_kv_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16",
-                                  v_cache_ptr="*bf16", slot_ptr="*i64"),
-        kv_ints, dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), num_warps=4,
-    ))
-    report("copy_blocks bf16 Hkv=8 D=128", lambda: compile_like_jit(
-        cb._copy_blocks_kernel, dict(cache_ptr="*bf16", src_ptr="*i64", dst_ptr="*i64"),
-        dict(stride_l=2 * 4096 * 16384, stride_kv=4096 * 16384, stride_b=16384, stride_s=1024,
-             stride_h=128, stride_d=1, num_kv_heads=8, head_dim=128),
-        dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), num_warps=4,
-    ))
+        report(
+            name,
+            lambda p=pointers, i=ints, c=constexprs, w=num_warps, s=num_stages: compile_like_jit(
+                pa._paged_attention_kernel, p, i, c, floats=("qk_scale",), num_warps=w, num_stages=s
+            ),
+        )
+    report(
+        "merge_splits bf16 S=5 D=128",
+        lambda: compile_like_jit(
+            pa._merge_splits_kernel,
+            dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16"),
+            dict(num_heads=32, head_dim=128, stride_ot=4096, stride_oh=128, stride_od=1),
+            dict(NUM_SPLITS=5, BLOCK_S=8, BLOCK_D=128),
+            num_warps=4,
+        ),
+    )
+    kv_ints = dict(
+        stride_kt=3072,
+        stride_kh=128,
+        stride_kd=1,
+        stride_vt=3072,
+        stride_vh=128,
+        stride_vd=1,
+        stride_kcb=16384,
+        stride_kcs=1024,
+        stride_kch=128,
+        stride_kcd=1,
+        stride_vcb=16384,
+        stride_vcs=1024,
+        stride_vch=128,
+        stride_vcd=1,
+        num_kv_heads=8,
+        head_dim=128,
+    )
+    report(
+        "store_kv bf16 Hkv=8 D=128",
+        lambda: compile_like_jit(
+            sk._store_kv_kernel,
+            dict(
+                k_ptr="*bf16",
+                v_ptr="*bf16",
+                k_cache_ptr="*bf16",
+                v_cache_ptr="*bf16",
+                slot_ptr="*i64",
+            ),
+            kv_ints,
+            dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128),
+            num_warps=4,
+        ),
+    )
+    report(
+        "copy_blocks bf16 Hkv=8 D=128",
+        lambda: compile_like_jit(
+            cb._copy_blocks_kernel,
+            dict(cache_ptr="*bf16", src_ptr="*i64", dst_ptr="*i64"),
+            dict(
+                stride_l=2 * 4096 * 16384,
+                stride_kv=4096 * 16384,
+                stride_b=16384,
+                stride_s=1024,
+                stride_h=128,
+                stride_d=1,
+                num_kv_heads=8,
+                head_dim=128,
+            ),
+            dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128),
+            num_warps=4,
+        ),
+    )
     print("spills: " + ("SOME (see above)" if any_spills else "none"))
     print(f"compile failures: {failures}")
     return 1 if failures else 0
@@ -444,6 +623,7 @@ def format_table(rows: list[Result]) -> str:
     )
     lines = [header, "-" * len(header)]
     for r in rows:
+
         def opt(value: float | None, fmt: str) -> str:
             return "-" if value is None else format(value, fmt)
 
@@ -456,9 +636,15 @@ def format_table(rows: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs under the CPU interpreter")
-    parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report registers")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes; runs under the CPU interpreter"
+    )
+    parser.add_argument(
+        "--compile-only", action="store_true", help="compile for sm_90 and report registers"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     args = parser.parse_args(argv)
@@ -477,23 +663,35 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     timer = make_timer(device)
     copy_bw = copy_bandwidth(device, timer, args.smoke)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    device_name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu"
+    )
     print(f"device: {device_name}; copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)")
 
     shape = dict(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16) if args.smoke else {}
     rows: list[Result] = []
     start = time.perf_counter()
     for case in smoke_cases() if args.smoke else gpu_cases():
-        rows.append(bench_attention(kernels, reference, timer, copy_bw, dtype=dtype, device=device, **case, **shape))
+        rows.append(
+            bench_attention(
+                kernels, reference, timer, copy_bw, dtype=dtype, device=device, **case, **shape
+            )
+        )
         print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     if args.smoke:
         rows.append(bench_store_kv(kernels, reference, timer, copy_bw, 8, dtype, device))
         rows.append(bench_copy_blocks(kernels, reference, timer, copy_bw, 2, 1, dtype, device))
     else:
         for num_tokens in (64, 1024, 16384, 131072):
-            rows.append(bench_store_kv(kernels, reference, timer, copy_bw, num_tokens, dtype, device))
+            rows.append(
+                bench_store_kv(kernels, reference, timer, copy_bw, num_tokens, dtype, device)
+            )
         for num_pairs in (1, 64):
-            rows.append(bench_copy_blocks(kernels, reference, timer, copy_bw, num_pairs, 32, dtype, device))
+            rows.append(
+                bench_copy_blocks(kernels, reference, timer, copy_bw, num_pairs, 32, dtype, device)
+            )
     print()
     print(format_table(rows))
     print(f"\n{len(rows)} cases in {time.perf_counter() - start:.1f}s")
@@ -505,7 +703,12 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": args.dtype,
             "copy_bandwidth_bytes_per_s": copy_bw,
             "attention_shape": {
-                **dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE),
+                **dict(
+                    num_heads=NUM_HEADS,
+                    num_kv_heads=NUM_KV_HEADS,
+                    head_dim=HEAD_DIM,
+                    block_size=BLOCK_SIZE,
+                ),
                 **shape,
             },
             "results": [asdict(r) for r in rows],

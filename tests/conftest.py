@@ -12,3 +12,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """``tiny_model(arch="llama", **kwargs) -> Path``: a random model + tokenizer, made once per
+    distinct arguments in a session (see batchgen.tiny_model.make_tiny_model)."""
+    from batchgen.tiny_model import make_tiny_model
+
+    made: dict[tuple, object] = {}
+
+    def make(arch: str = "llama", **kwargs):
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in made:
+            made[key] = make_tiny_model(tmp_path_factory.mktemp(f"model-{arch}"), arch, **kwargs)
+        return made[key]
+
+    return make

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from batchgen.kernels import choose_num_splits, copy_blocks, paged_attention, store_kv
 from batchgen.kernels.reference import copy_blocks_ref, paged_attention_ref, store_kv_ref
 
@@ -37,7 +36,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 def nan_kv_cache(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """``[L, 2, num_blocks, block_size, Hkv, D]`` filled with NaN."""
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -182,12 +186,21 @@ class AttnInputs:
     def args(self) -> tuple:
         scale = self.q.shape[-1] ** -0.5
         return (
-            self.q, self.k_cache, self.v_cache, self.block_tables, self.cu_seqlens_q,
-            self.seq_lens, scale, self.max_seqlen_q, self.max_seqlen_k,
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.cu_seqlens_q,
+            self.seq_lens,
+            scale,
+            self.max_seqlen_q,
+            self.max_seqlen_k,
         )
 
 
-def build_inputs(case: AttnCase, seed: int = 0, layer: int = 1, spare_blocks: int = 3) -> AttnInputs:
+def build_inputs(
+    case: AttnCase, seed: int = 0, layer: int = 1, spare_blocks: int = 3
+) -> AttnInputs:
     """Random queries and a NaN-filled cache in which only the slots the batch reads are set.
 
     Physical blocks come from a random permutation; with ``share`` each later sequence starts
@@ -295,7 +308,6 @@ def test_paged_attention_matches_reference(case: AttnCase) -> None:
     assert_attention_close(actual, expected)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
     [
@@ -307,6 +319,7 @@ def test_paged_attention_matches_reference(case: AttnCase) -> None:
     ids=str,
 )
 def test_paged_attention_longer_contexts(case: AttnCase) -> None:
+    """vLLM-like shapes: G = 5, a 129-token chunk, contexts past 1000, auto split-K."""
     inputs = build_inputs(case, seed=1)
     expected = paged_attention_ref(*inputs.args())
     actual = paged_attention(*inputs.args(), num_splits=case.num_splits)
@@ -398,6 +411,8 @@ def test_paged_attention_rejects_bad_arguments() -> None:
         paged_attention(*args[:4], inputs.cu_seqlens_q[:1], *args[5:])  # cu_seqlens_q too short
     with pytest.raises(ValueError):
         paged_attention(*args, num_splits=0)
+    with pytest.raises(ValueError):
+        paged_attention(*args[:3], inputs.block_tables.long(), *args[4:])  # not int32
     empty = paged_attention(inputs.q[:0], *args[1:4], inputs.cu_seqlens_q * 0, *args[5:])
     assert empty.shape == (0, 4, 64)
 
@@ -433,7 +448,9 @@ def test_offsets_past_int32() -> None:
     slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(seq_len)], device=DEVICE)
     store_kv(k, v, k_cache, v_cache, slots)
     torch.testing.assert_close(k_cache[blocks[2], : seq_len - 32], k[32:], rtol=0, atol=0)
-    copy_blocks(kv_cache, torch.tensor([num_blocks - 1], device=DEVICE), torch.tensor([5], device=DEVICE))
+    copy_blocks(
+        kv_cache, torch.tensor([num_blocks - 1], device=DEVICE), torch.tensor([5], device=DEVICE)
+    )
     torch.testing.assert_close(k_cache[5], k_cache[num_blocks - 1], rtol=0, atol=0)
 
     q = torch.randn(q_len, 4, d, device=DEVICE, dtype=BF16)
@@ -441,7 +458,9 @@ def test_offsets_past_int32() -> None:
     seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
     args = (q, k_cache, v_cache, block_tables, cu, seq_lens, d**-0.5, q_len, seq_len)
     for splits in (1, 3):
-        assert_attention_close(paged_attention(*args, num_splits=splits), paged_attention_ref(*args))
+        assert_attention_close(
+            paged_attention(*args, num_splits=splits), paged_attention_ref(*args)
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU run compiles the kernels anyway")

@@ -28,8 +28,8 @@ from batchgen.model.loader import (
     read_model_info,
 )
 from batchgen.tiny_model import (
-    EOS_ID,
     END_OF_TURN_ID,
+    EOS_ID,
     make_tiny_model,
     make_words,
     write_prompts_parquet,
@@ -74,12 +74,20 @@ def run_paged(
     schedules: list[list[int]],
     block_size: int,
     gen: torch.Generator,
+    shared: dict[int, tuple[int, int]] | None = None,
 ) -> list[torch.Tensor]:
     """Teacher-forced logits of each sequence ``[len, vocab]``: step s feeds every sequence its
-    next chunk ``schedules[b][s]`` (if any) through the paged cache with random block tables."""
+    next chunk ``schedules[b][s]`` (if any) through the paged cache with random block tables.
+
+    ``shared[b] = (a, n)``: sequence b starts with the first n blocks of sequence a (the same
+    tokens, computed by a in an earlier step) and only computes the rest; its logits rows for
+    that prefix stay NaN.
+    """
+    shared = shared or {}
     lens = [len(s) for s in seqs]
-    assert [sum(c) for c in schedules] == lens
-    need = [math.ceil(n / block_size) for n in lens]
+    skip = {b: n * block_size for b, (_, n) in shared.items()}
+    assert [sum(c) + skip.get(b, 0) for b, c in enumerate(schedules)] == lens
+    need = [math.ceil(n / block_size) - shared.get(b, (0, 0))[1] for b, n in enumerate(lens)]
     num_blocks = sum(need) + 6
     # block 0 (the block-table padding value) and a few others are never allocated: all NaN
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
@@ -87,12 +95,15 @@ def run_paged(
     for n in need:
         tables.append(perm[start : start + n])
         start += n
+    for b, (a, n) in shared.items():
+        assert seqs[b][: n * block_size] == seqs[a][: n * block_size]
+        tables[b] = tables[a][:n] + tables[b]
     kv_cache = new_cache(model, num_blocks, block_size)
 
-    out = [torch.empty(n, model.cfg.vocab_size) for n in lens]
-    done = [0] * len(seqs)
+    out = [torch.full((n, model.cfg.vocab_size), float("nan")) for n in lens]
+    done = [skip.get(b, 0) for b in range(len(seqs))]
     for step in range(max(len(c) for c in schedules)):
-        active = [b for b in range(len(seqs)) if step < len(schedules[b])]
+        active = [b for b in range(len(seqs)) if step < len(schedules[b]) and schedules[b][step]]
         ids, pos, slots, cu, seq_lens = [], [], [], [0], []
         for b in active:
             chunk = schedules[b][step]
@@ -102,7 +113,7 @@ def run_paged(
             slots += [tables[b][i // block_size] * block_size + i % block_size for i in p]
             cu.append(cu[-1] + chunk)
             seq_lens.append(done[b] + chunk)
-        max_blocks = max(need)
+        max_blocks = max(len(t) for t in tables)
         bt = torch.zeros(len(active), max_blocks, dtype=torch.int32)
         for row, b in enumerate(active):
             valid = math.ceil(seq_lens[row] / block_size)
@@ -140,7 +151,9 @@ def schedules_for(block_size: int) -> list[list[int]]:
 
 
 def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    assert torch.isfinite(ours).all()
+    computed = ~ours.isnan().all(-1)  # rows of a shared prefix are not computed
+    ours, ref = ours[computed], ref[computed]
+    assert len(ours) and torch.isfinite(ours).all()
     scale = ref.abs().max().item()
     err = (ours - ref).abs().max().item()
     assert err <= 1e-4 * max(scale, 1.0), f"max abs err {err:.3g} at logit scale {scale:.3g}"
@@ -155,7 +168,33 @@ def test_paged_logits_match_transformers(name: str, model_dirs: dict[str, Path])
     schedules = schedules_for(block_size)
     seqs = [torch.randint(0, info.vocab_size, (sum(c),), generator=gen).tolist() for c in schedules]
     ours = run_paged(model, seqs, schedules, block_size, gen)
-    for o, r in zip(ours, hf_logits(model_dir, seqs)):
+    for o, r in zip(ours, hf_logits(model_dir, seqs), strict=True):
+        assert_close_logits(o, r)
+
+
+def test_shared_prefix_blocks_match_transformers(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sequences that reuse another's cached prefix blocks (prefix cache, forks); with the
+    cascade threshold at 0, their decode and extend steps go through the cascade path."""
+    from batchgen.model import attention
+
+    monkeypatch.setattr(attention, "_CASCADE_MIN_SAVED", 0)
+    model, info = load_model(model_dirs["llama"], CPU, torch.float32, TorchAttention())
+    gen = torch.Generator().manual_seed(5)
+    bs = 4
+    prefix = torch.randint(0, info.vocab_size, (3 * bs + 1,), generator=gen).tolist()
+    tails = [torch.randint(0, info.vocab_size, (n,), generator=gen).tolist() for n in (4, 7, 5, 9)]
+    seqs = [prefix + t for t in tails]
+    schedules = [
+        [15, 1, 1],  # computes the prefix blocks, then decodes
+        [0, 5, 1, 1, 1],  # after it: the 13th prefix token and its own tail, then decodes
+        [0, 1, 1, 1, 1, 1, 1],  # decodes from the first step after the shared blocks
+        [0, 3, 2, 3, 2, 4],  # small extend chunks
+    ]
+    shared = {1: (0, 3), 2: (0, 3), 3: (0, 2)}
+    ours = run_paged(model, seqs, schedules, bs, gen, shared=shared)
+    for o, r in zip(ours, hf_logits(model_dirs["llama"], seqs), strict=True):
         assert_close_logits(o, r)
 
 
@@ -197,7 +236,7 @@ def greedy(model, prompts: list[list[int]], max_new: int, eos: set[int]) -> list
             hidden = model(torch.tensor(ids), torch.tensor(pos), kv_cache, meta)
             last = hidden[torch.tensor(cu[1:]) - 1]
             next_ids = model.compute_logits(last).argmax(-1).tolist()
-        for b, tok in zip(active, next_ids):
+        for b, tok in zip(active, next_ids, strict=True):
             outs[b].append(tok)
             seqs[b].append(tok)
             done = tok in eos or len(outs[b]) >= max_new
@@ -213,7 +252,7 @@ def test_greedy_matches_transformers_generate(model_dirs: dict[str, Path]) -> No
     prompts = [tok(" ".join(make_words(n, seed=n)))["input_ids"] for n in (3, 11)]
     ours = greedy(model, prompts, max_new=12, eos=set(info.eos_token_ids))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for prompt, got in zip(prompts, ours):
+    for prompt, got in zip(prompts, ours, strict=True):
         with torch.no_grad():
             ref = hf.generate(
                 torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=0
@@ -242,28 +281,55 @@ def reference_attention(q, k_cache, v_cache, meta, scale):
 
 
 @pytest.mark.parametrize("hq,hkv,block_size", [(4, 2, 4), (3, 3, 16), (8, 1, 8)])
-def test_torch_attention_matches_reference(hq: int, hkv: int, block_size: int) -> None:
+@pytest.mark.parametrize("tuning", ["default", "split", "merge"])
+def test_torch_attention_matches_reference(
+    hq: int, hkv: int, block_size: int, tuning: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mixed batches through every path: decode, fresh prefill, extend, padded groups, and
+    cascades over shared prefix blocks; unused cache blocks are NaN."""
+    from batchgen.model import attention
+
+    if tuning != "default":
+        monkeypatch.setattr(attention, "_CASCADE_MIN_SAVED", 0)  # any shared block is a cascade
+        monkeypatch.setattr(attention, "_GROUP_OVERHEAD", 0 if tuning == "split" else 10**9)
     gen = torch.Generator().manual_seed(hq * 100 + block_size)
-    d = 8
-    # (new tokens, cached tokens) per sequence: decodes of different lengths, fresh prefills,
-    # chunks after a cached prefix, one very long sequence (so that groups split)
-    shapes = [(1, 0), (1, 7), (1, 16), (1, 300), (5, 0), (16, 0), (40, 0), (3, 13), (9, 32), (2, 200)]
-    need = [math.ceil((q + c) / block_size) for q, c in shapes]
-    num_blocks = sum(need) + 3
+    d, bs = 8, block_size
+    pools = {"a": 3, "b": 1}  # shared prefixes, in blocks
+    # (new tokens, cached tokens, shared prefix pool): decodes of different lengths, fresh
+    # prefills, chunks after a cached prefix, a long sequence, and sequences sharing a prefix
+    specs = [
+        (1, 0, None), (1, 7, None), (1, 16, None), (1, 300, None), (5, 0, None), (16, 0, None),
+        (40, 0, None), (3, 13, None), (9, 32, None), (2, 200, None),
+        (1, 3 * bs + 5, "a"), (1, 3 * bs, "a"), (4, 3 * bs + 2, "a"), (1, 3 * bs + 20, "a"),
+        (1, bs + 1, "b"), (3, bs, "b"),
+    ]  # fmt: skip
+    own = [math.ceil((q + c) / bs) - (pools[p] if p else 0) for q, c, p in specs]
+    num_blocks = sum(own) + sum(pools.values()) + 3
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"))
+    pool_blocks = {}
+    for name, n in pools.items():
+        pool_blocks[name], perm = perm[:n], perm[n:]
+    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
-    bt = torch.zeros(len(shapes), max(need), dtype=torch.int32)
-    slots, cu, start = [], [0], 0
-    for b, (q_len, cached) in enumerate(shapes):
-        table = perm[start : start + need[b]]
-        start += need[b]
-        bt[b, : need[b]] = torch.tensor(table)
-        for i in range(cached):  # the cached prefix is already in the cache
-            s = table[i // block_size] * block_size + i % block_size
-            k_cache.view(-1, hkv, d)[s] = torch.randn(hkv, d, generator=gen)
-            v_cache.view(-1, hkv, d)[s] = torch.randn(hkv, d, generator=gen)
-        slots += [table[i // block_size] * block_size + i % block_size for i in range(cached, cached + q_len)]
+    k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    for blocks in pool_blocks.values():  # a shared prefix is written once
+        for blk in blocks:
+            k_flat[blk * bs : (blk + 1) * bs] = torch.randn(bs, hkv, d, generator=gen)
+            v_flat[blk * bs : (blk + 1) * bs] = torch.randn(bs, hkv, d, generator=gen)
+    tables = []
+    for b, (q_len, cached, pool) in enumerate(specs):
+        mine, perm = perm[: own[b]], perm[own[b] :]
+        tables.append((pool_blocks[pool] if pool else []) + mine)
+    bt = torch.zeros(len(specs), max(len(t) for t in tables), dtype=torch.int32)
+    slots, cu = [], [0]
+    for b, (q_len, cached, pool) in enumerate(specs):
+        table = tables[b]
+        bt[b, : len(table)] = torch.tensor(table)
+        for i in range(pools[pool] * bs if pool else 0, cached):  # the rest of the cached part
+            s = table[i // bs] * bs + i % bs
+            k_flat[s] = torch.randn(hkv, d, generator=gen)
+            v_flat[s] = torch.randn(hkv, d, generator=gen)
+        slots += [table[i // bs] * bs + i % bs for i in range(cached, cached + q_len)]
         cu.append(cu[-1] + q_len)
     t = cu[-1]
     q = torch.randn(t, hq, d, generator=gen)
@@ -273,15 +339,19 @@ def test_torch_attention_matches_reference(hq: int, hkv: int, block_size: int) -
         slot_mapping=torch.tensor(slots),
         block_tables=bt,
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        seq_lens=torch.tensor([q + c for q, c in shapes], dtype=torch.int32),
-        max_seqlen_q=max(q for q, _ in shapes),
-        max_seqlen_k=max(q + c for q, c in shapes),
+        seq_lens=torch.tensor([q + c for q, c, _ in specs], dtype=torch.int32),
+        max_seqlen_q=max(q for q, _, _ in specs),
+        max_seqlen_k=max(q + c for q, c, _ in specs),
     )
     backend = make_attention_backend("torch")
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.3)
-    assert meta.torch_plan is not None and len(meta.torch_plan.groups) >= 3
+    plan = meta.torch_plan
+    assert plan is not None and len(plan.groups) >= 3
+    if tuning != "default":
+        assert len(plan.cascades) == 2
     # a second layer reuses the plan
     out2 = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
+    assert meta.torch_plan is plan
     ref = reference_attention(q, k_cache, v_cache, meta, 0.3)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

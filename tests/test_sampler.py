@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import subprocess
@@ -97,7 +98,20 @@ def test_rng_key_is_pinned_and_typed() -> None:
 
 
 def test_rng_key_independent_of_hash_seed() -> None:
-    code = "from batchgen.engine.sampler import rng_key; print(rng_key(1234, 'row-42', 3))"
+    # rng_key's own source, run in fresh interpreters with different string-hash salts (without
+    # importing torch, to keep this fast).
+    from batchgen.engine import sampler
+
+    code = "\n".join(
+        [
+            "from __future__ import annotations",
+            "import hashlib, json, operator",
+            f"_KEY_DOMAIN = {sampler._KEY_DOMAIN!r}",
+            f"_MASK63 = {sampler._MASK63}",
+            inspect.getsource(sampler.rng_key),
+            "print(rng_key(1234, 'row-42', 3))",
+        ]
+    )
     for hash_seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
         out = subprocess.run(
@@ -199,6 +213,41 @@ def test_top_p_small_keeps_only_the_top_token_and_top_p_cuts_the_tail() -> None:
     tokens = draw_many(row, SamplingParams(top_p=0.5), n=4000)
     assert set(tokens.tolist()) == {0, 1}
     assert chi_square(tokens, torch.tensor([4 / 7, 3 / 7, 0, 0])) < CHI2_999[1]
+
+
+def test_ties_break_by_lowest_id() -> None:
+    row = torch.tensor([0.0, 3.0, 1.0, 3.0, 3.0, 2.0])
+    assert set(draw_many(row, SamplingParams(top_k=1), n=500).tolist()) == {1}
+    assert set(draw_many(row, SamplingParams(top_k=2), n=2000).tolist()) == {1, 3}
+
+
+def test_filters_keep_exactly_the_reference_set() -> None:
+    """Kept sets equal a full-sort reference on a 500-token vocabulary, with ties (bf16 logits)."""
+    g = torch.Generator().manual_seed(21)
+    cases = [
+        SamplingParams(temperature=1.5, top_p=0.8),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.6),
+        SamplingParams(temperature=1.0, min_p=0.02),
+        SamplingParams(temperature=2.0, top_p=0.95, min_p=0.01),
+    ]
+    for params in cases:
+        row = (torch.randn(500, generator=g) * 2).bfloat16().float()  # many exact ties
+        p = torch.softmax(row / params.temperature, -1)
+        order = p.sort(descending=True, stable=True).indices
+        sp = p[order]
+        keep = torch.ones(500, dtype=torch.bool)
+        if params.top_k:
+            keep[params.top_k :] = False
+        sp = torch.where(keep, sp, 0)
+        if params.top_p < 1:
+            cum = sp.cumsum(0)
+            mass = cum[-1] if params.top_k else 1.0
+            keep &= torch.cat([torch.zeros(1), cum[:-1]]) < params.top_p * mass
+        keep &= sp >= params.min_p * sp[0]
+        want = set(order[keep].tolist())
+        got = set(draw_many(row, params, n=2000).tolist())
+        assert got <= want, params
+        assert len(got) >= min(len(want), 5), params
 
 
 def test_min_p_filters() -> None:
@@ -382,7 +431,7 @@ def test_from_rows_flags_partitions_and_padding() -> None:
         GREEDY,
         SamplingParams(top_k=5),
         PLAIN,
-        SamplingParams(top_k=10_000, min_p=0.1),  # top_k >= V is off: no sort
+        SamplingParams(top_k=10_000, min_p=0.1),  # top_k >= V is off; min_p filters
         SamplingParams(temperature=0.0, top_p=0.5),  # greedy ignores top_p
         SamplingParams(presence_penalty=0.1),
     ]
@@ -391,8 +440,9 @@ def test_from_rows_flags_partitions_and_padding() -> None:
     assert (b.any_top_k, b.any_top_p, b.any_min_p) == (True, False, True)
     assert (b.any_penalty, b.any_repetition, b.any_additive_penalty) == (True, False, True)
     assert b.random_rows is not None and b.random_rows.tolist() == [1, 2, 3, 5]
-    assert b.sorted_rows is not None and b.sorted_rows.tolist() == [0]
-    assert b.plain_rows is not None and b.plain_rows.tolist() == [1, 2, 3]
+    assert b.filtered_rows is not None and b.filtered_rows.tolist() == [0, 2]
+    assert b.plain_rows is not None and b.plain_rows.tolist() == [1, 3]
+    assert b.candidate_width is None  # the min-p row's candidate count is data-dependent
     assert b.prompt_ids is None  # no repetition penalty: the prompt is not needed
     assert b.output_ids is not None
     assert b.output_ids.tolist() == [[100] * 3, [1, 2, 100], [100] * 3, [3, 100, 100],
@@ -400,7 +450,9 @@ def test_from_rows_flags_partitions_and_padding() -> None:
     assert b.temperature.dtype == torch.float32 and b.top_k.dtype == torch.int64
 
     b = make_batch([PLAIN, PLAIN], 100)
-    assert b.random_rows is None and b.output_ids is None and not b.any_sorted and b.any_plain
+    assert b.random_rows is None and b.output_ids is None and not b.any_filtered and b.any_plain
+    b = make_batch([SamplingParams(top_k=5), SamplingParams(top_k=7, top_p=0.9, min_p=0.1)], 100)
+    assert b.candidate_width == 7 and b.filtered_rows is None and not b.any_plain
     b = make_batch([GREEDY, GREEDY], 100)
     assert b.all_greedy
 

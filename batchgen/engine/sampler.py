@@ -1,20 +1,26 @@
 """Token sampling: penalties, temperature, top-k / top-p / min-p, and a reproducible draw.
 
 Everything here is a pure function of its inputs and is vectorised over the rows of a step (no
-Python loop over rows for the maths, no ``.item()``), so it runs the same on CPU and CUDA.
+Python loop over rows for the maths), so it runs the same on CPU and CUDA.
 
 Reproducibility. A sample's random stream is named by a 63-bit key (``rng_key``: seed, row id and
 sample index). The noise for the token at ``position`` is a counter-based hash of (key, position,
 vocab id): it does not depend on what else is in the batch, on the order of rows, or on how many
 steps ran before, so a sample resumed after an interruption draws the same tokens. The draw is an
 exponential race (the Gumbel-max trick in another form): ``argmax_i p_i / E_i`` with independent
-``E_i ~ Exp(1)`` picks token ``i`` with probability ``p_i``, and needs no cumulative sums, so it
-is exact per row whatever the batch shape.
+``E_i ~ Exp(1)`` picks token ``i`` with probability ``p_i``; it needs no cumulative sum over the
+vocabulary, and filtered-out tokens (``p_i = 0``) simply never win.
 
-Row-wise invariance. Per-row maths uses only ops whose result for one row does not depend on the
-other rows: elementwise ops, ``softmax``/``log_softmax`` (row kernels), ``sort``/``cumsum`` along
-the row, ``argmax``/``amax`` (exact). Reductions such as ``logsumexp`` or ``sum`` are avoided on
-[S, V] because their summation order may depend on the batch shape.
+Filtering without sorting the vocabulary. Top-k, top-p and min-p each keep a prefix of the row in
+the order (probability descending, vocab id ascending): a total order, so ties are broken the same
+way everywhere. The filtered path ranks only a candidate prefix that provably contains every token
+that can survive (``topk`` on a tie-free integer key), and hashes noise only for those candidates.
+
+Row-wise invariance. A row's result never depends on the other rows: the maths uses elementwise
+ops, row kernels (``softmax``, ``log_softmax``), exact reductions (``argmax``, ``amax``, integer
+counts), and ``cumsum`` along the row, never a float ``sum``/``logsumexp`` over [S, V] whose
+summation order may follow the batch shape. Padding a row to a wider candidate set (because another
+row needs more) only appends zeros.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import itertools
 import json
 import math
 import operator
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -128,10 +135,11 @@ def _uniform_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
     # float32) and the scalings are powers of two, so the only rounding is one IEEE add: the result
     # is bit-identical on every device and code path, and small values keep full relative
     # precision (they decide the rare low-probability tokens in the race).
+    # (int64 -> int32 -> float32 is exact here and much faster on CPU than int64 -> float32.)
     torch.bitwise_right_shift(z, 40, out=tmp)
-    u = tmp.bitwise_and_(_LOW24).to(torch.float32).mul_(2.0**-24)  # [S, K]
+    u = tmp.bitwise_and_(_LOW24).to(torch.int32).to(torch.float32).mul_(2.0**-24)  # [S, K]
     torch.bitwise_right_shift(z, 16, out=tmp)
-    u.add_(tmp.bitwise_and_(_LOW24).to(torch.float32).mul_(2.0**-48))
+    u.add_(tmp.bitwise_and_(_LOW24).to(torch.int32).to(torch.float32), alpha=2.0**-48)
     # Keep strictly inside (0, 1): 0 has probability 2**-48; the sum can round up to 1.0.
     return u.clamp_(2.0**-49, 1.0 - 2.0**-24)
 
@@ -183,15 +191,13 @@ def validate_sampling_params(p: SamplingParams) -> None:
 def _pad_ids(seqs: Sequence[Sequence[int]], pad: int) -> Tensor:
     """Right-pad token id sequences into [S, L] int64 (CPU) with ``pad``; L >= 1."""
     lengths = [len(s) for s in seqs]
-    out = torch.full((len(seqs), max(lengths, default=0) or 1), pad, dtype=torch.int64)
-    total = sum(lengths)
-    if total:
-        flat = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64)  # [T]
-        lens = torch.tensor(lengths, dtype=torch.int64)  # [S]
-        rows = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [T]
-        starts = torch.cumsum(lens, 0) - lens  # [S]
-        cols = torch.arange(total) - torch.repeat_interleave(starts, lens)  # [T]
-        out[rows, cols] = flat
+    width = max(lengths, default=0) or 1
+    out = torch.full((len(seqs), width), pad, dtype=torch.int64)  # [S, L]
+    if sum(lengths):
+        # array('q') reads Python ints about twice as fast as torch.tensor(list).
+        flat = torch.frombuffer(array("q", itertools.chain.from_iterable(seqs)), dtype=torch.int64)
+        filled = torch.arange(width) < torch.tensor(lengths)[:, None]  # [S, L] bool
+        out.masked_scatter_(filled, flat)  # row-major: each row's ids in order
     return out
 
 
@@ -206,9 +212,9 @@ def _index_or_none(rows: list[int], total: int, device: torch.device | str) -> T
 class SamplingBatch:
     """Sampling settings for the S samples drawn in one step, one row each; build with from_rows.
 
-    The Python flags let the common cases skip work (no sort when no row uses top-k/top-p, no
-    noise when every row is greedy, no penalty tensors when no row has a penalty). Flags about
-    filtering consider the non-greedy rows only: greedy rows ignore top-k/top-p/min-p.
+    The Python flags let the common cases skip work (no ranking when no row filters, no noise
+    when every row is greedy, no penalty tensors when no row has a penalty). Flags about filtering
+    consider the non-greedy rows only: greedy rows ignore top-k/top-p/min-p.
     """
 
     temperature: Tensor  # [S] float32, 0 = greedy
@@ -234,10 +240,13 @@ class SamplingBatch:
     # Row partitions, made on the host so that no device sync is needed. Indices are None when
     # the part is every row of its parent (no gather needed).
     random_rows: Tensor | None  # [R] rows of the batch that are not greedy
-    sorted_rows: Tensor | None  # [Q] rows of the random part that use top-k or top-p
-    plain_rows: Tensor | None  # [R - Q] rows of the random part that need no sort
-    any_sorted: bool
+    filtered_rows: Tensor | None  # [Q] rows of the random part using top-k, top-p or min-p
+    plain_rows: Tensor | None  # [R - Q] rows of the random part that only use temperature
+    any_filtered: bool
     any_plain: bool
+    # Candidates per filtered row when every filtered row has a top-k (the largest such k); None
+    # when some row's candidate count depends on its probabilities (one host sync per step).
+    candidate_width: int | None
 
     @property
     def num_rows(self) -> int:
@@ -269,7 +278,8 @@ class SamplingBatch:
         random_rows = [i for i, g in enumerate(greedy) if not g]
         uses_top_k = [0 < params[i].top_k < vocab_size for i in random_rows]
         uses_top_p = [params[i].top_p < 1.0 for i in random_rows]
-        needs_sort = [k or p for k, p in zip(uses_top_k, uses_top_p, strict=True)]
+        uses_min_p = [params[i].min_p > 0.0 for i in random_rows]
+        filtered = [any(u) for u in zip(uses_top_k, uses_top_p, uses_min_p, strict=True)]
         any_repetition = any(p.repetition_penalty != 1.0 for p in params)
         any_additive = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
         any_penalty = any_repetition or any_additive
@@ -299,8 +309,11 @@ class SamplingBatch:
             if any_repetition:
                 prompt_t = _pad_ids(prompt_ids, vocab_size).to(device)
 
-        sorted_sub = [j for j, s in enumerate(needs_sort) if s]
-        plain_sub = [j for j, s in enumerate(needs_sort) if not s]
+        filtered_sub = [j for j, f in enumerate(filtered) if f]
+        plain_sub = [j for j, f in enumerate(filtered) if not f]
+        width = None
+        if all(uses_top_k[j] for j in filtered_sub):
+            width = max((params[random_rows[j]].top_k for j in filtered_sub), default=None)
         return cls(
             temperature=floats[0],
             top_p=floats[1],
@@ -321,12 +334,13 @@ class SamplingBatch:
             any_additive_penalty=any_additive,
             any_top_k=any(uses_top_k),
             any_top_p=any(uses_top_p),
-            any_min_p=any(params[i].min_p > 0.0 for i in random_rows),
+            any_min_p=any(uses_min_p),
             random_rows=_index_or_none(random_rows, n, device),
-            sorted_rows=_index_or_none(sorted_sub, len(random_rows), device),
+            filtered_rows=_index_or_none(filtered_sub, len(random_rows), device),
             plain_rows=_index_or_none(plain_sub, len(random_rows), device),
-            any_sorted=bool(sorted_sub),
+            any_filtered=bool(filtered_sub),
             any_plain=bool(plain_sub),
+            candidate_width=width,
         )
 
 
@@ -389,21 +403,60 @@ def _take(x: Tensor, rows: Tensor | None) -> Tensor:
     return x if rows is None else x.index_select(0, rows)
 
 
-def _draw_plain(
-    scaled: Tensor, min_p: Tensor, rng_key: Tensor, position: Tensor, use_min_p: bool
-) -> Tensor:
-    """Draw from softmax(scaled) with optional min-p, no sort: [R, V] -> [R] int64."""
+_ID_BITS = 31  # vocab ids (and vocab sizes) below 2**31
+_ID_MASK = (1 << _ID_BITS) - 1
+
+
+def _draw_plain(scaled: Tensor, rng_key: Tensor, position: Tensor) -> Tensor:
+    """Draw from softmax(scaled) over the whole vocabulary: [R, V] -> [R] int64."""
     probs = torch.softmax(scaled, dim=-1)  # [R, V]
+    ids = torch.arange(scaled.shape[1], dtype=torch.int64, device=scaled.device)[None, :]  # [1, V]
+    return probs.div_(_exponential_at(rng_key, position, ids)).argmax(dim=-1)  # [R]
+
+
+def _candidate_limits(
+    probs: Tensor,
+    p_max: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    use_top_k: bool,
+    use_top_p: bool,
+    use_min_p: bool,
+) -> tuple[Tensor, Tensor]:
+    """How many leading tokens (in the ranking) each row must examine, and which rows use top-k.
+
+    probs: [R, V]; p_max, top_k, top_p, min_p: [R]. Returns (limit [R] int64, k_on [R] bool).
+
+    - top-k rows: exactly k candidates (top-p, if any, renormalises over their mass).
+    - top-p rows without top-k: the tokens with ``p >= t``, ``t = (1 - top_p) * p_max / (2V)``.
+      The tokens below ``t`` weigh less than ``V * t <= (1 - top_p) / 2``, so the tokens at or
+      above it already hold more than ``top_p`` and contain the whole nucleus (the margin, at
+      least ``(1 - top_p) / 2``, absorbs rounding in the cumulative sum).
+    - min-p rows (unless top-k and top-p both apply): at most the ``p >= min_p * p_max`` tokens.
+    Counts of a boolean mask are exact, so limits do not depend on the batch.
+    """
+    vocab_size = probs.shape[1]
+    limit = torch.full_like(top_k, vocab_size)  # [R] int64
+    k_on = (
+        (top_k > 0) & (top_k < vocab_size)
+        if use_top_k
+        else torch.zeros_like(top_p, dtype=torch.bool)
+    )
+    if use_top_k:
+        limit = torch.where(k_on, top_k, limit)
+    if use_top_p:
+        floor = (1.0 - top_p) * p_max / (2.0 * vocab_size)  # [R]
+        nucleus_bound = (probs >= floor[:, None]).sum(dim=-1)  # [R]
+        limit = torch.where(~k_on & (top_p < 1.0), nucleus_bound, limit)
     if use_min_p:
-        p_max = probs.amax(dim=-1, keepdim=True)  # [R, 1], exact
-        probs = probs.masked_fill(probs < min_p[:, None] * p_max, 0.0)
-    # Filtered probabilities need no renormalisation: the race's argmax is scale-invariant.
-    ids = torch.arange(scaled.shape[1], dtype=torch.int64, device=scaled.device)[None, :]
-    race = probs.div_(_exponential_at(rng_key, position, ids))  # [R, V]
-    return race.argmax(dim=-1)
+        kept = (probs >= (min_p * p_max)[:, None]).sum(dim=-1)  # [R]
+        shrink = (min_p > 0.0) & ~(k_on & (top_p < 1.0))
+        limit = torch.where(shrink, torch.minimum(limit, kept), limit)
+    return limit, k_on
 
 
-def _draw_sorted(
+def _draw_filtered(
     scaled: Tensor,
     top_k: Tensor,
     top_p: Tensor,
@@ -413,34 +466,51 @@ def _draw_sorted(
     use_top_k: bool,
     use_top_p: bool,
     use_min_p: bool,
+    width: int | None,
 ) -> Tensor:
-    """Draw with top-k / top-p (and min-p) in sorted order: [R, V] -> [R] int64.
+    """Draw with top-k, then top-p, then min-p: [R, V] scaled logits -> [R] int64.
 
-    The row is sorted by logit, descending, ties by vocab id (stable sort), which fixes exactly
-    which tokens top-k and top-p keep. The noise is hashed at the sorted ids, so no un-sorting is
-    needed.
+    Tokens are ranked by (probability desc, vocab id asc) through one int64 key per token,
+    ``prob_bits << 31 | (V - 1 - id)`` (the bits of a non-negative float32 order like the float):
+    keys are distinct, so ``topk`` has no ties to break and returns the exact ranking prefix, and
+    probability and id are decoded from the key without a gather. Only the first ``W`` ranks are
+    examined (W = ``width`` or the largest row limit: one host sync); ranks past a row's own limit
+    are zeroed, so the result does not depend on ``W``.
     """
     vocab_size = scaled.shape[1]
-    sorted_logits, ids = scaled.sort(dim=-1, descending=True, stable=True)  # [R, V] each
-    probs = torch.softmax(sorted_logits, dim=-1)  # [R, V], descending
-    if use_top_k:
-        k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)  # [R]
-        rank = torch.arange(vocab_size, device=scaled.device)[None, :]  # [1, V]
-        probs = probs.masked_fill(rank >= k[:, None], 0.0)
+    assert vocab_size <= _ID_MASK, "vocabulary too large for the ranking key"
+    probs = torch.softmax(scaled, dim=-1)  # [R, V]
+    p_max = probs.amax(dim=-1)  # [R], exact
+    limit, k_on = _candidate_limits(
+        probs, p_max, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p
+    )  # [R], [R]
+    if width is None:
+        width = int(limit.max())  # the only host sync of a step
+    width = max(1, min(width, vocab_size))
+
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=scaled.device)  # [V]
+    key = probs.view(torch.int32).to(torch.int64)  # [R, V], probs >= 0 so bits >= 0
+    key.bitwise_left_shift_(_ID_BITS).add_(vocab_size - 1 - ids)  # [R, V]
+    ranked = key.topk(width, dim=-1, sorted=True).values  # [R, W], descending
+    cand_ids = (vocab_size - 1) - (ranked & _ID_MASK)  # [R, W] int64
+    cand_p = (ranked >> _ID_BITS).to(torch.int32).view(torch.float32)  # [R, W], descending
+    rank = torch.arange(width, device=scaled.device)  # [W]
+    cand_p = cand_p.masked_fill(rank[None, :] >= limit[:, None], 0.0)  # top-k and bounds
+
     if use_top_p:
-        cum = probs.cumsum(dim=-1)  # [R, V], along the row only
-        mass = cum[:, -1:]  # [R, 1]: what top-k left (1 up to rounding)
-        before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # [R, V] exclusive cumsum
-        # The smallest prefix whose (renormalised) mass reaches top_p: keep a token iff the mass
-        # before it is still short of top_p. The top token has 0 before it and is always kept;
-        # rows with top_p >= 1 keep everything (rounding must not cut their tail).
-        short = before < top_p[:, None] * mass  # [R, V]
-        probs = probs.masked_fill(~(short | (top_p[:, None] >= 1.0)), 0.0)
+        cum = cand_p.cumsum(dim=-1)  # [R, W], along the row only
+        # Top-p renormalises over what top-k kept; without top-k the whole row (mass 1).
+        mass = torch.where(k_on, cum[:, -1], 1.0)  # [R]
+        before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # [R, W] exclusive cumsum
+        # The smallest prefix reaching top_p: keep a token iff the mass before it is short of
+        # top_p (the top token has 0 before it: always kept); top_p >= 1 keeps everything.
+        short = (before < (top_p * mass)[:, None]) | (top_p >= 1.0)[:, None]  # [R, W]
+        cand_p = cand_p.masked_fill(~short, 0.0)
     if use_min_p:
-        probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
-    race = probs.div_(_exponential_at(rng_key, position, ids))  # [R, V]
-    winner = race.argmax(dim=-1, keepdim=True)  # [R, 1] rank of the drawn token
-    return ids.gather(1, winner).squeeze(1)
+        cand_p = cand_p.masked_fill(cand_p < (min_p * p_max)[:, None], 0.0)
+    # Filtered probabilities need no renormalisation: the race's argmax is scale-invariant.
+    race = cand_p.div_(_exponential_at(rng_key, position, cand_ids))  # [R, W]
+    return cand_ids.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)  # [R]
 
 
 def _draw(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -451,24 +521,20 @@ def _draw(logits: Tensor, batch: SamplingBatch) -> Tensor:
     min_p = _take(batch.min_p, rows)
     key, pos = _take(batch.rng_key, rows), _take(batch.position, rows)
     scaled = logits / temperature[:, None]  # [R, V]
+    flags = (batch.any_top_k, batch.any_top_p, batch.any_min_p, batch.candidate_width)
 
-    if not batch.any_sorted:
-        return _draw_plain(scaled, min_p, key, pos, batch.any_min_p)
+    if not batch.any_filtered:
+        return _draw_plain(scaled, key, pos)
     if not batch.any_plain:
-        return _draw_sorted(
-            scaled, top_k, top_p, min_p, key, pos,
-            batch.any_top_k, batch.any_top_p, batch.any_min_p,
-        )  # fmt: skip
-    # Mixed: sort only the rows that filter by rank or mass; put both parts back in place.
-    s, p = batch.sorted_rows, batch.plain_rows
+        return _draw_filtered(scaled, top_k, top_p, min_p, key, pos, *flags)
+    # Mixed: rank only the rows that filter; put both parts back in place.
+    f, p = batch.filtered_rows, batch.plain_rows
     tokens = torch.empty(scaled.shape[0], dtype=torch.int64, device=scaled.device)  # [R]
-    tokens[s] = _draw_sorted(
-        _take(scaled, s), _take(top_k, s), _take(top_p, s), _take(min_p, s),
-        _take(key, s), _take(pos, s), batch.any_top_k, batch.any_top_p, batch.any_min_p,
+    tokens[f] = _draw_filtered(
+        _take(scaled, f), _take(top_k, f), _take(top_p, f), _take(min_p, f),
+        _take(key, f), _take(pos, f), *flags,
     )  # fmt: skip
-    tokens[p] = _draw_plain(
-        _take(scaled, p), _take(min_p, p), _take(key, p), _take(pos, p), batch.any_min_p
-    )
+    tokens[p] = _draw_plain(_take(scaled, p), _take(key, p), _take(pos, p))
     return tokens
 
 

@@ -15,6 +15,7 @@ kernels in ``batchgen.kernels``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,39 +73,65 @@ class AttentionBackend(Protocol):
 # --------------------------------------------------------------------------------------------
 # Torch backend
 # --------------------------------------------------------------------------------------------
+#
+# Per step (first layer) the sequences are split into a few padded *groups*; per layer each group
+# costs one K and one V gather from the flattened cache and one attention call. Two further ideas:
+#
+# - Decode groups pack the G query heads of a KV head as G query rows ([n, Hkv, G, D]), so K/V
+#   heads are never expanded. Extend groups that need the log-sum-exp pack heads the same way.
+# - Cascade: sequences whose block tables start with the same cached blocks (a shared system
+#   prompt, the samples of one prompt) attend to that shared prefix in ONE call (all their query
+#   rows against the prefix keys, gathered once) and to their own remaining keys in their groups;
+#   the two partial results are merged with their log-sum-exps. This turns most of the decode
+#   gather traffic of shared-prefix workloads into one small matmul.
 
-# Sequence classes of a step. Each class is split into groups of similar shape; a group is padded
-# to its largest query and key length and computed by one SDPA call.
-_DECODE = 0  # one new token: q [n, Hkv, G, D] against gathered keys, no K/V head expansion
-_FRESH = 1  # no cached prefix (q_len == seq_len > 1): keys are the new k rows, plain causal mask
-_EXTEND = 2  # new tokens after a cached prefix: gathered keys, explicit offset-causal mask
+# Sequence classes. Each class is split into groups of similar shape.
+_DECODE = 0  # one new token: q [n, Hkv, G, D] against gathered keys
+_FRESH = 1  # no cached prefix (q_len == seq_len > 1): keys are the new k rows, causal mask
+_EXTEND = 2  # new tokens after cached keys: gathered keys, explicit offset-causal mask
 
-# Cost of one extra group (one more SDPA call and a few index ops per layer), in the units of
-# ``_cost``: roughly (query rows x heads-per-KV-head + 1) x keys. Merging two groups is worth it
-# while the padding it adds costs less than this.
+# Cost of one extra group (one more attention call and a few index ops per layer), in the units
+# of ``_cost``. Merging two groups is worth it while the padding it adds costs less than this.
 _GROUP_OVERHEAD = 8192
+# A shared prefix becomes a cascade when it saves at least this many gathered key positions.
+_CASCADE_MIN_SAVED = 256
+
+# The CPU flash-attention op behind F.scaled_dot_product_attention; unlike SDPA it also returns
+# the log-sum-exp. Private but stable across the torch versions we support; None elsewhere.
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _cost(n: int, max_q: int, max_k: int, group: int) -> int:
-    """Work of a padded group: attention (q rows x keys) plus the K/V gather (keys)."""
+    """Work of a padded group: attention (q rows x heads per KV head x keys) plus the gather."""
     return n * max_k * (max_q * group + 1)
 
 
 @dataclass
 class _Group:
-    """One padded SDPA call. ``n`` sequences, padded to ``max_q`` new tokens, ``max_k`` keys."""
+    """One padded attention call: ``n`` sequences padded to ``max_q`` new tokens and ``max_k`` keys."""
 
     kind: int
     n: int
     max_q: int
     max_k: int
+    want_lse: bool  # members of a cascade: heads packed as rows, float mask, keep the lse
     q_index: Tensor | None  # [n*max_q] int64 rows of q (padding clamps to the seq's last row);
-    #                         None: the group is rows 0..T-1 in order, no padding
+    #                         None: the group is rows 0..T-1 in order, without padding
     k_slots: Tensor | None  # [n*max_k] int64 cache slots (padding clamps to the seq's last key);
     #                         None for _FRESH (its keys are the new k rows at q_index)
-    mask: Tensor | None  # bool, True = may attend. _DECODE: [n,1,1,max_k]; _EXTEND: [n,1,max_q,max_k]
+    mask: Tensor | None  # may-attend mask; None: attend to all. bool, or additive float when
+    #                      want_lse. _DECODE [n,1,1,max_k]; _EXTEND [n,1,max_q,max_k], packed
+    #                      (want_lse) [n,1,max_q*G,max_k] with row i*G+g for token i, head g
     out_select: Tensor | None  # [m] valid rows among the n*max_q padded rows; None: all valid
-    out_rows: Tensor | None  # [m] destination rows of the output; None: identity (q_index None)
+    out_rows: Tensor | None  # [m] destination rows in the output; None: identity
+
+
+@dataclass
+class _Cascade:
+    """A shared cached prefix: every row in ``rows`` sees every key in ``slots``."""
+
+    rows: Tensor  # [R] int64 q rows of the member sequences' new tokens
+    slots: Tensor  # [Lp] int64 cache slots of the shared prefix, in position order
 
 
 @dataclass
@@ -113,8 +140,10 @@ class TorchAttentionPlan:
 
     block_size: int
     group: int  # Hq // Hkv
+    dtype: torch.dtype  # of q (float masks are in this dtype)
     num_tokens: int
     groups: list[_Group]
+    cascades: list[_Cascade]
 
 
 def _split_groups(
@@ -123,8 +152,8 @@ def _split_groups(
     """Greedy packing of sequences of one class into groups of similar (q_len, k_len).
 
     Sequences are visited largest first; one joins the current group when the padded cost of the
-    merged group is no more than the cost of keeping it separate (its own cost plus one group's
-    overhead). Within a group, sequences are kept in ascending order.
+    merged group is no more than keeping it apart (its own cost plus one group's overhead).
+    Within a group, sequences are kept in ascending order.
     """
     order = sorted(seqs, key=lambda b: (q_lens[b], k_lens[b]), reverse=True)
     groups: list[list[int]] = []
@@ -146,11 +175,44 @@ def _split_groups(
     return groups
 
 
-def build_torch_plan(meta: AttentionMetadata, block_size: int, group: int) -> TorchAttentionPlan:
-    """Turn the step metadata into padded groups with gather indices and masks.
+def _find_cascades(
+    meta: AttentionMetadata, q_lens: list[int], k_lens: list[int], block_size: int
+) -> list[tuple[list[int], int]]:
+    """Sets of sequences sharing leading cached blocks: ``(members, prefix_blocks)``.
 
-    One host sync per step (``tolist`` of the B+1 offsets and B lengths); the index tensors are
-    built with vectorized ops on the metadata's device.
+    Only whole blocks of the cached context (positions before every member's first new token)
+    count, so every new token of every member sees the whole prefix.
+    """
+    cands = [b for b in range(len(k_lens)) if k_lens[b] - q_lens[b] >= block_size]
+    if len(cands) < 2:
+        return []
+    tables = meta.block_tables.index_select(
+        0, torch.tensor(cands, device=meta.block_tables.device)
+    ).cpu()  # [m, max_blocks]
+    by_first: dict[int, list[int]] = {}
+    for row, first in enumerate(tables[:, 0].tolist()):
+        by_first.setdefault(first, []).append(row)
+    found = []
+    for rows in by_first.values():
+        if len(rows) < 2:
+            continue
+        members = [cands[r] for r in rows]
+        limit = min(k_lens[b] - q_lens[b] for b in members) // block_size
+        sub = tables[rows, :limit]
+        same = (sub == sub[0]).all(0).to(torch.int64)  # [limit]
+        prefix = int(same.cumprod(0).sum())
+        if (len(members) - 1) * prefix * block_size >= _CASCADE_MIN_SAVED:
+            found.append((members, prefix))
+    return found
+
+
+def build_torch_plan(
+    meta: AttentionMetadata, block_size: int, group: int, dtype: torch.dtype
+) -> TorchAttentionPlan:
+    """Turn the step metadata into padded groups (and cascades) with gather indices and masks.
+
+    One host sync per step (the B+1 offsets and B lengths, and the block-table rows of cascade
+    candidates); the index tensors are built with vectorized ops on the metadata's device.
     """
     dev = meta.seq_lens.device
     cu = meta.cu_seqlens_q.tolist()
@@ -158,33 +220,46 @@ def build_torch_plan(meta: AttentionMetadata, block_size: int, group: int) -> To
     num_seqs = len(k_lens)
     q_lens = [cu[b + 1] - cu[b] for b in range(num_seqs)]
     num_tokens = cu[-1]
-
-    classes: dict[int, list[int]] = {_DECODE: [], _FRESH: [], _EXTEND: []}
-    for b in range(num_seqs):
-        if q_lens[b] == 1:
-            classes[_DECODE].append(b)
-        elif q_lens[b] == k_lens[b]:
-            classes[_FRESH].append(b)
-        else:
-            classes[_EXTEND].append(b)
-
     cu_t = meta.cu_seqlens_q.to(torch.int64)
     seq_lens_t = meta.seq_lens.to(torch.int64)
+
+    # shared prefixes: members skip the prefix in their own groups (key offset ``start``)
+    start = [0] * num_seqs
+    cascades: list[_Cascade] = []
+    for members, prefix_blocks in _find_cascades(meta, q_lens, k_lens, block_size):
+        prefix_len = prefix_blocks * block_size
+        for b in members:
+            start[b] = prefix_len
+        rows = torch.cat([torch.arange(cu[b], cu[b + 1], device=dev) for b in members])
+        blocks = meta.block_tables[members[0], :prefix_blocks].to(torch.int64)
+        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=dev)).reshape(-1)
+        cascades.append(_Cascade(rows, slots))
+    rel_k = [k_lens[b] - start[b] for b in range(num_seqs)]  # keys each group attends to
+
+    classes: dict[tuple[int, bool], list[int]] = {}
+    for b in range(num_seqs):
+        member = start[b] > 0
+        if q_lens[b] == 1:
+            kind = _DECODE
+        elif q_lens[b] == k_lens[b]:
+            kind = _FRESH
+        else:
+            kind = _EXTEND
+        classes.setdefault((kind, member), []).append(b)
+
     groups: list[_Group] = []
-    for kind, members in classes.items():
-        if not members:
-            continue
-        for seqs in _split_groups(members, q_lens, k_lens, group):
+    for (kind, member), class_seqs in sorted(classes.items()):
+        for seqs in _split_groups(class_seqs, q_lens, rel_k, group):
             n = len(seqs)
             max_q = max(q_lens[b] for b in seqs)
-            max_k = max(k_lens[b] for b in seqs)
+            max_k = max(rel_k[b] for b in seqs)
             padded_q = any(q_lens[b] != max_q for b in seqs)
-            # identity: the group is every token of the step, in order, without padding
-            identity = n == num_seqs and not padded_q
+            identity = n == num_seqs and not padded_q  # every token of the step, in order
             idx = torch.tensor(seqs, dtype=torch.int64, device=dev)  # [n]
-            q_start = cu_t[idx]  # [n]
+            q_start = cu_t[idx]
             q_len = cu_t[idx + 1] - q_start  # [n]
-            k_len = seq_lens_t[idx]  # [n]
+            k_len = seq_lens_t[idx] - torch.tensor([start[b] for b in seqs], device=dev)  # [n]
+            k_off = seq_lens_t[idx] - k_len  # [n] position of the group's first key
 
             ar_q = torch.arange(max_q, device=dev)
             q_index = out_select = out_rows = None
@@ -201,33 +276,76 @@ def build_torch_plan(meta: AttentionMetadata, block_size: int, group: int) -> To
             k_slots = mask = None
             if kind != _FRESH:
                 # Padding keys are clamped to the sequence's last key, so every gathered slot has
-                # been written (a stray read of an unused block, e.g. NaN, can never leak in).
+                # been written: a stray read of an unused block (e.g. NaN) can never leak in.
                 ar_k = torch.arange(max_k, device=dev)
-                pos = torch.minimum(ar_k[None, :], k_len[:, None] - 1)  # [n, max_k]
+                rel = torch.minimum(ar_k[None, :], k_len[:, None] - 1)  # [n, max_k]
+                pos = k_off[:, None] + rel
                 table = meta.block_tables.index_select(0, idx).to(torch.int64)  # [n, max_blocks]
                 blocks = table.gather(1, torch.div(pos, block_size, rounding_mode="floor"))
                 k_slots = (blocks * block_size + pos % block_size).reshape(-1)
                 if kind == _DECODE:
-                    if any(k_lens[b] != max_k for b in seqs):
+                    if any(rel_k[b] != max_k for b in seqs):
                         mask = (ar_k[None, :] < k_len[:, None])[:, None, None, :]
                 else:
-                    # token i of seq b is at position k_len - q_len + i and sees keys j <= it
+                    # new token i is at relative position k_len - q_len + i; it sees keys <= it
                     q_pos = (k_len - q_len)[:, None] + ar_q[None, :]  # [n, max_q]
                     mask = (ar_k[None, None, :] <= q_pos[:, :, None])[:, None]  # [n,1,max_q,max_k]
+                    if member:
+                        mask = mask.repeat_interleave(group, dim=2)  # packed rows i*G+g
+                if member and mask is not None:
+                    mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(
+                        ~mask, float("-inf")
+                    )
             groups.append(
-                _Group(kind, n, max_q, max_k, q_index, k_slots, mask, out_select, out_rows)
+                _Group(
+                    kind, n, max_q, max_k, member, q_index, k_slots, mask, out_select, out_rows
+                )
             )
-    return TorchAttentionPlan(block_size, group, num_tokens, groups)
+    return TorchAttentionPlan(block_size, group, dtype, num_tokens, groups, cascades)
+
+
+def _attend_lse(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Attention that also returns the log-sum-exp of the scores.
+
+    q ``[n, H, Lq, D]``, k/v ``[n, H, Lk, D]`` (same H), additive mask broadcastable to
+    ``[n, H, Lq, Lk]`` or None -> out ``[n, H, Lq, D]``, lse ``[n, H, Lq]`` fp32.
+    """
+    if q.device.type == "cpu" and _flash_cpu is not None:
+        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        return out, lse.float()
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
+    return torch.matmul(probs, v), lse
 
 
 class TorchAttention:
-    """Pure-PyTorch paged attention (the CPU path).
+    """Pure-PyTorch paged attention (the CPU production path).
 
-    Per step (first layer) the sequences are split into a few padded groups; per layer and group:
-    one ``index_select`` gathers K and one V from the flattened cache into ``[n, max_k, Hkv, D]``,
-    and one ``scaled_dot_product_attention`` call computes the group. Decode groups pack the G
-    query heads of a KV head as G query rows, so K/V heads are never expanded.
+    Holds grow-only gather buffers reused by every layer and step (a fresh allocation of tens of
+    MB per gather costs more in page faults than the copy itself), so one instance must not run
+    two forward passes concurrently.
     """
+
+    def __init__(self) -> None:
+        self._workspace: dict[str, Tensor] = {}
+
+    def _buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        numel = math.prod(shape)
+        buf = self._workspace.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._workspace[name] = buf
+        return buf[:numel].view(shape)
+
+    def _gather(self, name: str, flat: Tensor, slots: Tensor) -> Tensor:
+        """``flat[slots]`` ([len(slots), Hkv, D]) into a reused buffer."""
+        out = self._buffer(name, (slots.shape[0], *flat.shape[1:]), flat)
+        return torch.index_select(flat, 0, slots, out=out)
 
     def forward(
         self,
@@ -245,34 +363,44 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         block_size = k_cache.shape[1]
 
-        # write the new K/V: caches viewed as [num_slots, Hkv, D]
+        # write the new K/V; caches viewed as [num_slots, Hkv, D]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
 
         plan = meta.torch_plan
-        if plan is None or plan.block_size != block_size or plan.group != group:
-            plan = build_torch_plan(meta, block_size, group)
+        if plan is None or (plan.block_size, plan.group, plan.dtype) != (block_size, group, q.dtype):
+            plan = build_torch_plan(meta, block_size, group, q.dtype)
             meta.torch_plan = plan
 
-        if len(plan.groups) == 1 and plan.groups[0].q_index is None:
-            return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale)
+        if len(plan.groups) == 1 and plan.groups[0].q_index is None and not plan.cascades:
+            return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale)[0]
         out = q.new_empty(num_tokens, num_heads, head_dim)
+        lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if plan.cascades else None
         for g in plan.groups:
-            o = self._group(g, q, k, v, k_flat, v_flat, scale)  # [n*max_q, Hq, D]
+            o, lse = self._group(g, q, k, v, k_flat, v_flat, scale)  # [n*max_q, Hq, D], [.., Hq]
             if g.out_select is not None:
                 o = o.index_select(0, g.out_select)
-            out.index_copy_(0, g.out_rows, o)
+                lse = None if lse is None else lse.index_select(0, g.out_select)
+            rows = g.out_rows if g.out_rows is not None else torch.arange(num_tokens, device=q.device)
+            out.index_copy_(0, rows, o)
+            if lse is not None:
+                assert lse_all is not None
+                lse_all.index_copy_(0, rows, lse)
+        for c in plan.cascades:
+            assert lse_all is not None
+            self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale)
         return out
 
-    @staticmethod
     def _group(
-        g: _Group, q: Tensor, k: Tensor, v: Tensor, k_flat: Tensor, v_flat: Tensor, scale: float
-    ) -> Tensor:
-        """Attention of one padded group; returns ``[n*max_q, Hq, D]`` (padded rows included)."""
+        self, g: _Group, q: Tensor, k: Tensor, v: Tensor, k_flat: Tensor, v_flat: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor | None]:
+        """One padded group -> out ``[n*max_q, Hq, D]`` (padded rows included) and, for cascade
+        members, the log-sum-exp ``[n*max_q, Hq]``."""
         _, hq, d = q.shape
         hkv = k.shape[1]
+        grp = hq // hkv
         n, max_q, max_k = g.n, g.max_q, g.max_k
         qg = q if g.q_index is None else q.index_select(0, g.q_index)
         qg = qg.view(n, max_q, hq, d)
@@ -284,23 +412,62 @@ class TorchAttention:
             kg = kg.view(n, max_q, hkv, d).transpose(1, 2)  # [n, Hkv, max_q, D]
             vg = vg.view(n, max_q, hkv, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                qg.transpose(1, 2), kg, vg, is_causal=True, scale=scale, enable_gqa=hq != hkv
+                qg.transpose(1, 2), kg, vg, is_causal=True, scale=scale, enable_gqa=grp > 1
             )  # [n, Hq, max_q, D]
-            return o.transpose(1, 2).reshape(n * max_q, hq, d)
+            return o.transpose(1, 2).reshape(n * max_q, hq, d), None
 
         assert g.k_slots is not None
-        kg = k_flat.index_select(0, g.k_slots).view(n, max_k, hkv, d).transpose(1, 2)
-        vg = v_flat.index_select(0, g.k_slots).view(n, max_k, hkv, d).transpose(1, 2)
+        kg = self._gather("k", k_flat, g.k_slots).view(n, max_k, hkv, d).transpose(1, 2)
+        vg = self._gather("v", v_flat, g.k_slots).view(n, max_k, hkv, d).transpose(1, 2)
         if g.kind == _DECODE:
-            # [n, 1, Hq, D] -> [n, Hkv, G, D]: the G heads sharing a KV head become G query rows
-            o = F.scaled_dot_product_attention(
-                qg.view(n, hkv, hq // hkv, d), kg, vg, attn_mask=g.mask, scale=scale
-            )  # [n, Hkv, G, D]
-            return o.reshape(n, hq, d)
+            qp = qg.view(n, hkv, grp, d)  # the G heads sharing a KV head become G query rows
+            if g.want_lse:
+                o, lse = _attend_lse(qp, kg, vg, g.mask, scale)  # [n,Hkv,G,D], [n,Hkv,G]
+                return o.reshape(n, hq, d), lse.reshape(n, hq)
+            o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=g.mask, scale=scale)
+            return o.reshape(n, hq, d), None
+        if g.want_lse:
+            qp = qg.view(n, max_q, hkv, grp, d).permute(0, 2, 1, 3, 4).reshape(n, hkv, max_q * grp, d)
+            o, lse = _attend_lse(qp, kg, vg, g.mask, scale)  # [n,Hkv,max_q*G,D], [n,Hkv,max_q*G]
+            o = o.view(n, hkv, max_q, grp, d).permute(0, 2, 1, 3, 4).reshape(n * max_q, hq, d)
+            lse = lse.view(n, hkv, max_q, grp).permute(0, 2, 1, 3).reshape(n * max_q, hq)
+            return o, lse
         o = F.scaled_dot_product_attention(
-            qg.transpose(1, 2), kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=hq != hkv
+            qg.transpose(1, 2), kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=grp > 1
         )  # [n, Hq, max_q, D]
-        return o.transpose(1, 2).reshape(n * max_q, hq, d)
+        return o.transpose(1, 2).reshape(n * max_q, hq, d), None
+
+    def _merge_prefix(
+        self,
+        c: _Cascade,
+        q: Tensor,
+        k_flat: Tensor,
+        v_flat: Tensor,
+        out: Tensor,
+        lse_all: Tensor,
+        scale: float,
+    ) -> None:
+        """Attend the cascade's rows to its shared prefix and merge into ``out`` in place."""
+        _, hq, d = q.shape
+        hkv = k_flat.shape[1]
+        grp = hq // hkv
+        r = c.rows.shape[0]
+        # all member rows as one batch: [1, Hkv, R*G, D] against [1, Hkv, Lp, D]
+        qp = q.index_select(0, c.rows).view(r, hkv, grp, d).permute(1, 0, 2, 3)
+        qp = qp.reshape(1, hkv, r * grp, d)
+        kp = self._gather("k", k_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
+        vp = self._gather("v", v_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
+        o_p, lse_p = _attend_lse(qp, kp, vp, None, scale)
+        o_p = o_p.view(hkv, r, grp, d).permute(1, 0, 2, 3).reshape(r, hq, d)
+        lse_p = lse_p.view(hkv, r, grp).permute(1, 0, 2).reshape(r, hq)
+        o_s = out.index_select(0, c.rows)
+        lse_s = lse_all.index_select(0, c.rows)
+        # softmax over the union of both key sets = weighted mix of the two partial results
+        lse = torch.logaddexp(lse_s, lse_p)
+        w_s = torch.exp(lse_s - lse).unsqueeze(-1)
+        w_p = torch.exp(lse_p - lse).unsqueeze(-1)
+        merged = (o_s.float() * w_s + o_p.float() * w_p).to(out.dtype)
+        out.index_copy_(0, c.rows, merged)
 
 
 # --------------------------------------------------------------------------------------------

@@ -380,7 +380,7 @@ def load_model(
         parts = [loaded.pop(hf) for hf in hf_names]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if tensor.shape != expected[ours]:
-            shapes = ", ".join(f"{hf} {tuple(p.shape)}" for hf, p in zip(hf_names, parts))
+            shapes = ", ".join(f"{hf} {tuple(p.shape)}" for hf, p in zip(hf_names, parts, strict=True))
             raise ModelError(
                 f"weight shape mismatch in {root}: {shapes}; config.json implies {tuple(expected[ours])}"
             )
