@@ -24,12 +24,24 @@ from tqdm import tqdm
 
 from batchgen.dataset import InputDataset, InputRow
 from batchgen.engine.engine import Engine, EngineConfig
-from batchgen.engine.request import FinishReason, Request, SampleResult, SamplingParams, SampleTarget
+from batchgen.engine.request import (
+    FinishReason,
+    Request,
+    SampleResult,
+    SampleTarget,
+    SamplingParams,
+)
 from batchgen.engine.sampler import rng_key
 from batchgen.errors import JobError
 from batchgen.job import Job, fingerprint
 from batchgen.model.attention import make_attention_backend
-from batchgen.model.loader import ModelInfo, load_model, load_tokenizer, model_identity, read_model_info
+from batchgen.model.loader import (
+    ModelInfo,
+    load_model,
+    load_tokenizer,
+    model_identity,
+    read_model_info,
+)
 from batchgen.results import OutputFolder, output_schema, read_status
 
 CPU_KV_CACHE_CAP = 1 << 30  # bytes: "auto" never takes more than this on a CPU
@@ -233,22 +245,18 @@ class JobRun:
         eng = job.engine
         self.engine = Engine(
             model,
-            config=EngineConfig(
+            self.info,
+            EngineConfig(
                 block_size=eng.block_size,
                 num_blocks=num_blocks,
                 max_num_seqs=eng.max_num_seqs,
                 max_num_batched_tokens=eng.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 prefix_caching=eng.prefix_caching,
+                attention_backend=self.place.backend,
             ),
-            num_layers=self.info.num_layers,
-            num_kv_heads=self.info.num_kv_heads,
-            head_dim=self.info.head_dim,
-            vocab_size=self.info.vocab_size,
-            eos_token_ids=self.info.eos_token_ids,
             device=self.place.device,
             dtype=self.place.dtype,
-            copy_blocks=_copy_blocks_fn(self.place.backend),
             detokenize=self._decode if self.params.stop else None,
         )
         schema = output_schema(self.dataset.id_type, self.dataset.keep_fields, self.params.logprobs)
@@ -476,6 +484,7 @@ class JobRun:
             "kv_blocks": self.engine.config.num_blocks,
             "kv_block_size": self.engine.config.block_size,
             "peak_kv_blocks_used": self.engine.scheduler.peak_blocks_used,
+            "evicted_kv_blocks": self.engine.scheduler.num_evicted_blocks,
             "kv_waste": round(stats.waste, 4),
             "engine_steps": stats.steps,
             "device": str(self.place.device),
@@ -497,16 +506,6 @@ class JobRun:
 
 class RowProblem(Exception):
     """Why one input row cannot be generated; it becomes an error row."""
-
-
-def _copy_blocks_fn(backend: str):
-    if backend == "triton":
-        from batchgen.kernels import copy_blocks
-
-        return copy_blocks
-    from batchgen.kernels.reference import copy_blocks_ref
-
-    return copy_blocks_ref
 
 
 def run(job: Job, fresh: bool = False, quiet: bool = False) -> dict[str, Any]:

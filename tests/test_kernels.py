@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from batchgen.kernels import choose_num_splits, copy_blocks, paged_attention, store_kv
 from batchgen.kernels.reference import copy_blocks_ref, paged_attention_ref, store_kv_ref
 

@@ -15,7 +15,7 @@ import pytest
 
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.radix_cache import NullCache, RadixCache
-from batchgen.engine.request import FinishReason, Request, SamplingParams, SampleTarget
+from batchgen.engine.request import FinishReason, Request, SampleTarget, SamplingParams
 from batchgen.engine.scheduler import Draw, Scheduler, SchedulerConfig
 
 VOCAB = 50

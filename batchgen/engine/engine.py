@@ -13,6 +13,7 @@ from batchgen.engine.radix_cache import NullCache, RadixCache
 from batchgen.engine.request import FinishReason, Request, SampleResult, Sequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
+from batchgen.model.loader import ModelInfo
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int
     max_model_len: int
     prefix_caching: bool = True
+    attention_backend: str = "torch"  # "torch" | "triton": also picks the block-copy function
 
 
 @dataclass
@@ -45,33 +47,35 @@ class Engine:
     def __init__(
         self,
         model: torch.nn.Module,
-        *,
+        info: ModelInfo,
         config: EngineConfig,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        vocab_size: int,
-        eos_token_ids: tuple[int, ...],
+        *,
         device: torch.device,
         dtype: torch.dtype,
-        copy_blocks: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
         detokenize: Callable[[list[int]], str] | None = None,
         check_invariants: bool = False,
     ) -> None:
+        """``detokenize`` is needed only for stop strings; ``check_invariants`` runs the block
+        accounting checks after every step (tests)."""
         self.model = model
         self.config = config
         self.device = device
-        self.vocab_size = vocab_size
-        self.copy_blocks = copy_blocks
+        self.vocab_size = info.vocab_size
         self.detokenize = detokenize
         self.check_invariants = check_invariants
-        # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+        self.copy_blocks = _copy_blocks_fn(config.attention_backend)
+        # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
+        # the torch path must see finite values.
         self.kv_cache = torch.zeros(
-            num_layers, 2, config.num_blocks, config.block_size, num_kv_heads, head_dim,
-            dtype=dtype, device=device,
+            info.num_layers, 2, config.num_blocks, config.block_size, info.num_kv_heads,
+            info.head_dim, dtype=dtype, device=device,
         )
         self.pool = BlockPool(config.num_blocks)
-        cache = RadixCache(self.pool, config.block_size) if config.prefix_caching else NullCache(config.block_size)
+        cache = (
+            RadixCache(self.pool, config.block_size)
+            if config.prefix_caching
+            else NullCache(config.block_size)
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 block_size=config.block_size,
@@ -82,7 +86,7 @@ class Engine:
             ),
             self.pool,
             cache,
-            eos_token_ids,
+            info.eos_token_ids,
         )
         self.stats = EngineStats()
 
@@ -150,7 +154,7 @@ class Engine:
         for chunk in batch.chunks:
             if chunk.samples:
                 k = len(chunk.seq.targets)
-                draws.append([Draw(t, lp) for t, lp in zip(tokens[i : i + k], logprobs[i : i + k])])
+                draws.append([Draw(t, lp) for t, lp in zip(tokens[i : i + k], logprobs[i : i + k], strict=True)])
                 i += k
         return draws
 
@@ -201,3 +205,13 @@ class Engine:
             token_logprobs=list(seq.token_logprobs) if seq.params.logprobs else None,
             text=seq.text,
         )
+
+
+def _copy_blocks_fn(backend: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    if backend == "triton":
+        from batchgen.kernels import copy_blocks
+
+        return copy_blocks
+    from batchgen.kernels.reference import copy_blocks_ref
+
+    return copy_blocks_ref

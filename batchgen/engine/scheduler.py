@@ -86,6 +86,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_evicted_blocks = 0
         self.peak_blocks_used = 0
         self._root = cache.match(()).handle
 
@@ -213,7 +214,7 @@ class Scheduler:
     def _make_free(self, n: int) -> bool:
         if n <= self.pool.num_free:
             return True
-        self.cache.evict(n - self.pool.num_free)
+        self.num_evicted_blocks += self.cache.evict(n - self.pool.num_free)
         return n <= self.pool.num_free
 
     def _preempt(self, seq: Sequence) -> None:

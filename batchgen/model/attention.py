@@ -93,6 +93,8 @@ _EXTEND = 2  # new tokens after cached keys: gathered keys, explicit offset-caus
 # Cost of one extra group (one more attention call and a few index ops per layer), in the units
 # of ``_cost``. Merging two groups is worth it while the padding it adds costs less than this.
 _GROUP_OVERHEAD = 8192
+# Decode/extend groups gather and attend in chunks of sequences of about this many K+V bytes.
+_GATHER_CHUNK_BYTES = 16 << 20
 # A shared prefix becomes a cascade when it saves at least this many gathered key positions.
 _CASCADE_MIN_SAVED = 256
 
@@ -416,26 +418,58 @@ class TorchAttention:
             )  # [n, Hq, max_q, D]
             return o.transpose(1, 2).reshape(n * max_q, hq, d), None
 
+        # Gather and attend in chunks of sequences: a chunk's gathered K/V (at most
+        # _GATHER_CHUNK_BYTES) is still in the CPU caches when attention reads it.
         assert g.k_slots is not None
-        kg = self._gather("k", k_flat, g.k_slots).view(n, max_k, hkv, d).transpose(1, 2)
-        vg = self._gather("v", v_flat, g.k_slots).view(n, max_k, hkv, d).transpose(1, 2)
+        slots = g.k_slots.view(n, max_k)
+        per_seq = 2 * max_k * hkv * d * k_flat.element_size()
+        step = max(1, _GATHER_CHUNK_BYTES // per_seq)
+        if step >= n:
+            return self._attend_cached(g, qg, slots, g.mask, k_flat, v_flat, scale)
+        outs, lses = [], []
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            mask = None if g.mask is None else g.mask[lo:hi]
+            o, lse = self._attend_cached(g, qg[lo:hi], slots[lo:hi], mask, k_flat, v_flat, scale)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), None if not g.want_lse else torch.cat(lses)  # type: ignore[arg-type]
+
+    def _attend_cached(
+        self,
+        g: _Group,
+        qg: Tensor,
+        slots: Tensor,
+        mask: Tensor | None,
+        k_flat: Tensor,
+        v_flat: Tensor,
+        scale: float,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Sequences ``qg [m, max_q, Hq, D]`` against their gathered keys ``slots [m, max_k]``
+        -> out ``[m*max_q, Hq, D]`` and (want_lse) lse ``[m*max_q, Hq]``."""
+        m, max_q, hq, d = qg.shape
+        max_k = slots.shape[1]
+        hkv = k_flat.shape[1]
+        grp = hq // hkv
+        kg = self._gather("k", k_flat, slots.reshape(-1)).view(m, max_k, hkv, d).transpose(1, 2)
+        vg = self._gather("v", v_flat, slots.reshape(-1)).view(m, max_k, hkv, d).transpose(1, 2)
         if g.kind == _DECODE:
-            qp = qg.view(n, hkv, grp, d)  # the G heads sharing a KV head become G query rows
+            qp = qg.view(m, hkv, grp, d)  # the G heads sharing a KV head become G query rows
             if g.want_lse:
-                o, lse = _attend_lse(qp, kg, vg, g.mask, scale)  # [n,Hkv,G,D], [n,Hkv,G]
-                return o.reshape(n, hq, d), lse.reshape(n, hq)
-            o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=g.mask, scale=scale)
-            return o.reshape(n, hq, d), None
+                o, lse = _attend_lse(qp, kg, vg, mask, scale)  # [m,Hkv,G,D], [m,Hkv,G]
+                return o.reshape(m, hq, d), lse.reshape(m, hq)
+            o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=mask, scale=scale)
+            return o.reshape(m, hq, d), None
         if g.want_lse:
-            qp = qg.view(n, max_q, hkv, grp, d).permute(0, 2, 1, 3, 4).reshape(n, hkv, max_q * grp, d)
-            o, lse = _attend_lse(qp, kg, vg, g.mask, scale)  # [n,Hkv,max_q*G,D], [n,Hkv,max_q*G]
-            o = o.view(n, hkv, max_q, grp, d).permute(0, 2, 1, 3, 4).reshape(n * max_q, hq, d)
-            lse = lse.view(n, hkv, max_q, grp).permute(0, 2, 1, 3).reshape(n * max_q, hq)
+            qp = qg.view(m, max_q, hkv, grp, d).permute(0, 2, 1, 3, 4).reshape(m, hkv, max_q * grp, d)
+            o, lse = _attend_lse(qp, kg, vg, mask, scale)  # [m,Hkv,max_q*G,D], [m,Hkv,max_q*G]
+            o = o.view(m, hkv, max_q, grp, d).permute(0, 2, 1, 3, 4).reshape(m * max_q, hq, d)
+            lse = lse.view(m, hkv, max_q, grp).permute(0, 2, 1, 3).reshape(m * max_q, hq)
             return o, lse
         o = F.scaled_dot_product_attention(
-            qg.transpose(1, 2), kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=grp > 1
-        )  # [n, Hq, max_q, D]
-        return o.transpose(1, 2).reshape(n * max_q, hq, d), None
+            qg.transpose(1, 2), kg, vg, attn_mask=mask, scale=scale, enable_gqa=grp > 1
+        )  # [m, Hq, max_q, D]
+        return o.transpose(1, 2).reshape(m * max_q, hq, d), None
 
     def _merge_prefix(
         self,
