@@ -14,14 +14,16 @@ The runner (and with it torch) is imported inside the commands, so ``--help`` st
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import platform
 import shlex
+import signal
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from types import ModuleType, TracebackType
@@ -126,6 +128,50 @@ class _ErrorGuard:
         return False  # SystemExit, GeneratorExit: not ours to handle
 
 
+def _exit_now(signum: int, frame: object) -> None:
+    """Leave at once with exit code 130.
+
+    Raising KeyboardInterrupt here is not reliable: a signal that lands inside an import (torch,
+    transformers) can be swallowed by a library's broad ``except``, and the job would then run on
+    as if nothing happened. Exiting hard loses nothing: until the runner takes over the signals
+    there are no finished rows, and every file of the output folder is written to a temp name and
+    renamed, so a hard exit leaves it as consistent as SIGKILL does (the next run cleans up).
+    """
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os.write(2, b"\ninterrupted\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
+@contextlib.contextmanager
+def _interrupts_exit_now() -> Iterator[None]:
+    """While the block runs, SIGINT and SIGTERM exit 130 at once (see :func:`_exit_now`): the
+    job's startup (imports, model loading) cannot be stopped more gracefully. The runner installs
+    its own handlers (save what has finished, then exit 130) once it generates, and puts these
+    back when it returns.
+
+    When the block ends because the runner was stopped by a signal, the handlers stay: the
+    process is on its way out with exit code 130, and a further Ctrl-C during that (torch's
+    teardown takes a second or two) must end it at once with 130 too, not as click's "Aborted!"
+    (exit 1) or a SIGTERM death.
+    """
+    previous: dict[int, Any] = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, _exit_now)
+    except ValueError:  # not the main thread (e.g. an application's worker): leave them be
+        pass
+    try:
+        yield
+    except BaseException as exc:
+        if _is_interrupt(exc) and getattr(exc, "signum", None) is not None:
+            previous.clear()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
 def _set_option(f: F) -> F:
     return click.option(
         "--set",
@@ -169,7 +215,7 @@ def run(job_file: Path, overrides: tuple[str, ...], fresh: bool, quiet: bool) ->
       batchgen run jobs/quickstart.yaml
       batchgen run jobs/quickstart.yaml --set engine.block_size=32 --fresh
     """
-    with _ErrorGuard() as guard:
+    with _ErrorGuard() as guard, _interrupts_exit_now():
         job = load_job(job_file, overrides)
         guard.log_dir = job.output.path
         _runner().run(job, fresh=fresh, quiet=quiet)

@@ -37,12 +37,15 @@ class InputRow:
     Exactly one of the prompt sources is configured; its value may still be null in the data
     (the runner turns that row into ``error`` samples). ``messages`` is a list of
     ``{"role", "content"}`` dicts (other struct fields are dropped; a null message stays None).
+    ``problem`` says why the row cannot be used as read (a value that is not valid UTF-8; that
+    value is None); the runner turns such a row into ``error`` samples.
     """
 
     id: int | str
     prompt: str | None
     messages: list[dict[str, Any] | None] | None
     keep: dict[str, Any]
+    problem: str | None = None
 
 
 def resolve_input_files(spec: str) -> list[Path]:
@@ -223,6 +226,14 @@ class InputDataset:
                                 f"input file {file}: id column {column!r} has "
                                 f"{ids.null_count} null value(s)"
                             )
+                        if _is_string(ids.type):
+                            try:
+                                ids.validate(full=True)
+                            except pa.ArrowInvalid:
+                                raise InputError(
+                                    f"input file {file}: id column {column!r} holds a value "
+                                    "that is not valid UTF-8"
+                                ) from None
                         chunks.append(ids.cast(self.id_type))
             except (OSError, pa.ArrowException) as err:
                 raise InputError(f"cannot read input file {file}: {err}") from None
@@ -280,11 +291,26 @@ class InputDataset:
     ) -> Iterator[InputRow]:
         cfg = self.cfg
         n = batch.num_rows
+        # Row index -> why it cannot be used (the first column that failed to decode).
+        problems: dict[int, str] = {}
 
         def values(name: str | None) -> list[Any]:
             if name is None:
                 return [None] * n
-            return batch.column(batch.schema.get_field_index(name)).to_pylist()
+            column = batch.column(batch.schema.get_field_index(name))
+            try:
+                return column.to_pylist()
+            except UnicodeDecodeError:
+                # Parquet writers need not validate UTF-8; one bad value must not cost the
+                # other rows. Decode value by value; a bad one becomes None and its row an error.
+                out: list[Any] = []
+                for i in range(n):
+                    try:
+                        out.append(column[i].as_py())
+                    except UnicodeDecodeError:
+                        out.append(None)
+                        problems.setdefault(i, f"input column {name!r} is not valid UTF-8")
+                return out
 
         ids = values(cfg.id_column) if cfg.id_column is not None else range(start, start + n)
         prompts = values(cfg.prompt_column)
@@ -299,6 +325,7 @@ class InputDataset:
                 prompt=prompts[i],
                 messages=_messages(messages[i]),
                 keep={c: vals[i] for c, vals in keep.items()},
+                problem=problems.get(i),
             )
 
 

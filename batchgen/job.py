@@ -333,7 +333,9 @@ def parse_job(raw: Mapping[str, Any], source: str = "job") -> Job:
     try:
         return Job.model_validate(raw)
     except ValidationError as err:
-        errors = err.errors()
+        # An unknown key first: a typo ("modle") also makes the key it misspells "missing", and
+        # the unknown key, with its suggestion, is the line that tells the user what to fix.
+        errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
         line = _format_error(errors[0])
         if len(errors) > 1:
             more = len(errors) - 1

@@ -9,6 +9,7 @@ is invisible to users.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -33,16 +34,23 @@ from batchgen.engine.request import (
 )
 from batchgen.engine.sampler import rng_key
 from batchgen.errors import JobError
-from batchgen.job import Job, fingerprint
+from batchgen.job import Job, describe_fingerprint_mismatch, fingerprint
 from batchgen.model.attention import make_attention_backend
 from batchgen.model.loader import (
     ModelInfo,
+    check_model,
     load_model,
     load_tokenizer,
     model_identity,
     read_model_info,
 )
-from batchgen.results import OutputFolder, output_schema, read_status
+from batchgen.results import (
+    _PART_RE,
+    OutputFolder,
+    _read_manifest,
+    output_schema,
+    read_status,
+)
 
 CPU_KV_CACHE_CAP = 1 << 30  # bytes: "auto" never takes more than this on a CPU
 CPU_KV_CACHE_SHARE = 0.25  # of available memory, for "auto" on a CPU
@@ -152,27 +160,75 @@ def sampling_params(job: Job) -> SamplingParams:
 
 
 def validate(job: Job) -> str:
+    """Check the job as ``run`` would, in the same order, without generating or writing
+    anything; return the plan. Raises the same errors ``run`` would raise before it starts."""
     info = read_model_info(job.model)
     dataset = InputDataset(job.input)
+    check_model(job.model)  # weights and tokenizer files, from their headers
+    output = _check_output_folder(job, dataset)
     load_tokenizer(job.model)
     place = resolve_placement(job)
     num_blocks = plan_num_blocks(job, info, place)
     per_token = info.kv_bytes_per_token(place.dtype)
     bs = job.engine.block_size
+    length: int | str = max_model_len(job, info, num_blocks)
+    if length < min(info.max_model_len, job.engine.max_model_len or info.max_model_len):
+        length = f"{length} (all the KV cache holds: longer prompts will be error rows)"
     lines = [
         f"model:    {job.model} ({info.architecture}, {info.num_layers} layers, "
         f"{info.num_heads} heads / {info.num_kv_heads} KV heads, head_dim {info.head_dim})",
         f"input:    {dataset.num_rows} rows from {job.input.path}",
         f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
         f"max_tokens={job.sampling.max_tokens})",
-        f"output:   {job.output.path}",
+        f"output:   {job.output.path} ({output})",
         f"device:   {place.device} {str(place.dtype).removeprefix('torch.')}, "
         f"attention {place.backend}",
         f"KV cache: {per_token} bytes/token, {num_blocks} blocks x {bs} tokens = "
         f"{num_blocks * bs} tokens ({num_blocks * bs * per_token / 2**20:.1f} MiB)",
-        f"max_model_len: {max_model_len(job, info, num_blocks)}",
+        f"max_model_len: {length}",
     ]
     return "\n".join(lines)
+
+
+def _check_output_folder(job: Job, dataset: InputDataset) -> str:
+    """What ``run`` would find in the output folder, read-only: raises the JobError ``run``
+    would raise when opening it (a file, not writable, a foreign folder, another job's
+    results); else says whether the job starts afresh or resumes."""
+    path = job.output.path
+    if not path.exists():
+        parent = path.parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise JobError(f"cannot create output folder {path}: {parent} is a file")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise JobError(f"cannot create output folder {path}: {parent} is not writable")
+        return "new"
+    if not path.is_dir():
+        raise JobError(f"output path {path} is a file, not a folder")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise JobError(f"output folder {path} is not writable")
+    manifest = _read_manifest(path)
+    if manifest is None:
+        foreign = sorted(
+            n for n in os.listdir(path) if not n.startswith((".", "_")) and not _PART_RE.match(n)
+        )
+        if foreign:
+            raise JobError(
+                f"output folder {path} is not empty and is not a batchgen output folder "
+                f"(it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+                "choose a new or empty folder"
+            )
+        return "new"
+    fp = fingerprint(job, model_identity(job.model), dataset.identity)
+    if manifest.get("fingerprint") != fp:
+        what = describe_fingerprint_mismatch(manifest.get("fingerprint") or {}, fp)
+        raise JobError(
+            f"output folder {path} holds a different job: {what}; use --fresh to delete its "
+            "results, or choose another output.path"
+        )
+    done = sum(int(p.get("rows", 0)) for p in manifest.get("parts", []))
+    return f"resumes: {done} of {dataset.num_rows} rows done"
 
 
 def status(path: str | Path) -> str:
@@ -204,23 +260,41 @@ class Totals:
 
 @dataclass
 class _Signals:
-    """First SIGINT/SIGTERM: stop after saving. Second: raise KeyboardInterrupt at once."""
+    """First SIGINT/SIGTERM: set ``stop`` (the loop stops admitting work, commits what has finished
+    and writes the report). Second: exit 130 at once, without waiting for that."""
 
     stop: bool = False
+    received: int | None = None  # the number of the first signal
     previous: dict[int, Any] = field(default_factory=dict)
 
     def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self.previous[sig] = signal.signal(sig, self._handle)
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: signals stay as they are
+            self.restore()
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            # None: the handler was not set from Python; the default is the closest we have.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        self.previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.stop:
-            raise KeyboardInterrupt
+            self.exit_now()
         self.stop = True
+        self.received = signum
+
+    @staticmethod
+    def exit_now() -> None:
+        """Exit 130 at once. This loses nothing a SIGKILL would not: committed parts and the
+        manifest are only ever replaced by rename, and the next run removes a half-done commit.
+        (A KeyboardInterrupt could be swallowed by a library's broad ``except``.)"""
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.write(2, b"\ninterrupted again: stopped at once; rows committed so far are kept\n")
+        os._exit(130)
 
 
 class JobRun:
@@ -233,8 +307,26 @@ class JobRun:
         self.dataset = InputDataset(job.input)
         fp = fingerprint(job, model_identity(job.model), self.dataset.identity)
         self.folder = OutputFolder.open(job.output.path, fp, fresh)
+        try:
+            self._start(job)
+        except BaseException:
+            # Release the folder's lock now: a caller that keeps the exception (and with it this
+            # half-built object) must not keep a later run on the same folder out.
+            self.folder.close()
+            raise
+
+    def _start(self, job: Job) -> None:
+        """The rest of __init__, once the output folder is open and locked."""
         self.folder.set_total_rows(self.dataset.num_rows)
         self.done_ids = self.folder.completed_ids()
+        self.pending: dict[int, PendingRow] = {}
+        self.next_handle = 0
+        self.totals = Totals()
+        # Every row already committed (the fingerprint says they are this input's rows): there
+        # is nothing to generate, so the tokenizer, the model and the engine are not loaded.
+        self.nothing_to_do = len(self.done_ids) >= self.dataset.num_rows
+        if self.nothing_to_do:
+            return
         self.tokenizer = load_tokenizer(job.model)
         self.place = resolve_placement(job)
         self.params = sampling_params(job)
@@ -261,9 +353,6 @@ class JobRun:
         )
         schema = output_schema(self.dataset.id_type, self.dataset.keep_fields, self.params.logprobs)
         self.writer = self.folder.writer(schema, job.output.commit_rows, job.output.commit_seconds)
-        self.pending: dict[int, PendingRow] = {}
-        self.next_handle = 0
-        self.totals = Totals()
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -282,8 +371,19 @@ class JobRun:
             except Exception:  # noqa: BLE001 - fall back to rows one by one to name the culprit
                 encoded = {}
         column = self.job.input.messages_column or self.job.input.prompt_column
+        # When the KV cache, not the model or engine.max_model_len, sets the limit, say so.
+        eng = self.job.engine
+        limits = [self.info.max_model_len, eng.max_model_len or self.info.max_model_len]
+        knob = "kv_cache_blocks" if eng.kv_cache_blocks is not None else "kv_cache_memory"
+        cause = (
+            f" (all the KV cache holds; raise engine.{knob})"
+            if self.max_model_len < min(limits)
+            else ""
+        )
         for r in rows:
             try:
+                if r.problem is not None:
+                    raise RowProblem(r.problem)
                 if self.job.input.messages_column is not None:
                     tokens = self._render_messages(r, column)
                 elif r.prompt is None:
@@ -298,14 +398,15 @@ class JobRun:
                     raise RowProblem("the prompt encodes to zero tokens")
                 if len(tokens) >= self.max_model_len:
                     raise RowProblem(
-                        f"prompt has {len(tokens)} tokens; max_model_len is {self.max_model_len}, "
-                        "which leaves no room for output"
+                        f"prompt has {len(tokens)} tokens; max_model_len is {self.max_model_len}"
+                        f"{cause}, which leaves no room for output"
                     )
                 out.append((r, tokens, None))
             except RowProblem as e:
                 out.append((r, None, str(e)))
             except Exception as e:  # noqa: BLE001 - a tokenizer failure is the row's problem
-                out.append((r, None, f"the tokenizer cannot encode the prompt: {e}"))
+                problem = RowProblem.of("the tokenizer cannot encode the prompt", e)
+                out.append((r, None, str(problem)))
         return out
 
     def _render_messages(self, row: InputRow, column: str) -> list[int]:
@@ -315,16 +416,21 @@ class JobRun:
         if not messages:
             raise RowProblem(f"{column} is empty")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
-                m.get("content"), str
-            ):
-                raise RowProblem(f"{column}[{i}] is not a {{role, content}} message with strings")
+            if m is None:
+                raise RowProblem(f"{column}[{i}] is null")
+            if not isinstance(m, dict):
+                raise RowProblem(f"{column}[{i}] is not a {{role, content}} message")
+            for key in ("role", "content"):
+                if m.get(key) is None:
+                    raise RowProblem(f"{column}[{i}].{key} is null")
+                if not isinstance(m[key], str):
+                    raise RowProblem(f"{column}[{i}].{key} is not a string")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
-        except Exception as e:  # noqa: BLE001
-            raise RowProblem(f"the chat template cannot render {column}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - a template that rejects the row (raise_exception)
+            raise RowProblem.of(f"the chat template cannot render {column}", e) from e
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def feed(self, rows: list[InputRow]) -> None:
@@ -366,7 +472,7 @@ class JobRun:
         self.writer.add_row_group(rows)
         self.totals.rows += 1
         self.totals.samples += self.params.n
-        self.totals.errors += 1
+        self.totals.errors += self.params.n  # error output rows, as the manifest counts them
 
     def collect(self, results: list[SampleResult]) -> None:
         for res in results:
@@ -415,8 +521,44 @@ class JobRun:
         return self.dataset.iter_windows(self.job.input.window_rows, skip_ids=self.done_ids)
 
     def run(self) -> dict[str, Any]:
+        """Generate the missing rows; commit as rows finish; write the report.
+
+        The first SIGINT/SIGTERM stops admitting work: rows already finished are committed, the
+        report is written (``finished: false``) and :class:`Interrupted` is raised. A second one
+        exits 130 at once; the commit protocol keeps the folder consistent anyway (the next run
+        removes a half-done commit). The folder's lock is released on return.
+        """
         signals = _Signals()
         signals.install()
+        try:
+            report = self._nothing_to_do() if self.nothing_to_do else self._generate(signals)
+        finally:
+            signals.restore()
+            self.folder.close()
+        if not report["finished"]:
+            interrupted = Interrupted(
+                f"interrupted; {report['rows']} rows saved this run, {report['rows_done']} of "
+                f"{report['rows_total']} in all; run it again to resume"
+            )
+            interrupted.signum = signals.received  # the CLI keeps exiting at once on another
+            raise interrupted
+        return report
+
+    def _nothing_to_do(self) -> dict[str, Any]:
+        """Every row is committed already: mark the folder finished (a run killed after its last
+        commit left that undone) and keep the report of the run that did the work."""
+        report = self.report(0.0, True)
+        if not self.folder.finished:
+            self.folder.mark_finished()
+            self.folder.write_report(report)
+        print(
+            f"batchgen: done: nothing to do, all {report['rows_done']} rows are already in "
+            f"{self.folder.path}",
+            file=sys.stderr,
+        )
+        return report
+
+    def _generate(self, signals: _Signals) -> dict[str, Any]:
         start = time.perf_counter()
         bar = tqdm(
             total=self.dataset.num_rows, initial=len(self.done_ids), unit="row",
@@ -424,11 +566,16 @@ class JobRun:
         )
         windows = self.windows()
         exhausted = False
+        complete = False
         # Keep enough queued for full batches; read the next window only when the queue runs low.
         low_water = 2 * self.job.engine.max_num_seqs
         try:
             while not signals.stop:
-                while not exhausted and self.engine.num_waiting_targets < low_water:
+                while (
+                    not exhausted
+                    and not signals.stop
+                    and self.engine.num_waiting_targets < low_water
+                ):
                     window = next(windows, None)
                     if window is None:
                         exhausted = True
@@ -436,7 +583,10 @@ class JobRun:
                         rows_before = self.totals.rows
                         self.feed(window)
                         bar.update(self.totals.rows - rows_before)
+                if signals.stop:
+                    break
                 if not self.engine.has_work():
+                    complete = True  # every window was read and every request has finished
                     break
                 rows_before = self.totals.rows
                 self.collect(self.engine.step())
@@ -448,28 +598,27 @@ class JobRun:
                     refresh=False,
                 )
                 self.writer.maybe_commit()
+            # Rows still in the engine are dropped unfinished; the next run generates them.
             self.writer.commit()
         finally:
             bar.close()
-            signals.restore()
         elapsed = time.perf_counter() - start
-        finished = not signals.stop
-        if finished:
+        if complete:
             self.folder.mark_finished()
-        report = self.report(elapsed, finished)
+        report = self.report(elapsed, complete)
         self.folder.write_report(report)
         print(self.summary(report), file=sys.stderr)
-        if signals.stop:
-            raise Interrupted(f"interrupted; {report['rows']} rows saved this run")
         return report
 
     def report(self, elapsed: float, finished: bool) -> dict[str, Any]:
+        """This run's figures (``rows``, tokens, speed: what this run generated), plus
+        ``rows_done`` and ``rows_total`` for the output folder as a whole."""
         t = self.totals
-        stats = self.engine.stats
-        return {
+        report: dict[str, Any] = {
             "finished": finished,
             "rows": t.rows,
             "rows_already_done": len(self.done_ids),
+            "rows_done": self.folder.counts()["rows"],
             "rows_total": self.dataset.num_rows,
             "samples": t.samples,
             "prompt_tokens": t.prompt_tokens,
@@ -479,18 +628,25 @@ class JobRun:
             "output_tokens": t.output_tokens,
             "elapsed_s": round(elapsed, 3),
             "output_tokens_per_s": round(t.output_tokens / elapsed, 2) if elapsed > 0 else 0.0,
-            "preemptions": self.engine.scheduler.num_preemptions,
+            "preemptions": 0,
             "errors": t.errors,
-            "kv_blocks": self.engine.config.num_blocks,
-            "kv_block_size": self.engine.config.block_size,
-            "peak_kv_blocks_used": self.engine.scheduler.peak_blocks_used,
-            "evicted_kv_blocks": self.engine.scheduler.num_evicted_blocks,
-            "kv_waste": round(stats.waste, 4),
-            "engine_steps": stats.steps,
-            "device": str(self.place.device),
-            "dtype": str(self.place.dtype).removeprefix("torch."),
-            "attention_backend": self.place.backend,
         }
+        if self.nothing_to_do:
+            return report  # no engine was built
+        stats = self.engine.stats
+        report.update(
+            preemptions=self.engine.scheduler.num_preemptions,
+            kv_blocks=self.engine.config.num_blocks,
+            kv_block_size=self.engine.config.block_size,
+            peak_kv_blocks_used=self.engine.scheduler.peak_blocks_used,
+            evicted_kv_blocks=self.engine.scheduler.num_evicted_blocks,
+            kv_waste=round(stats.waste, 4),
+            engine_steps=stats.steps,
+            device=str(self.place.device),
+            dtype=str(self.place.dtype).removeprefix("torch."),
+            attention_backend=self.place.backend,
+        )
+        return report
 
     @staticmethod
     def summary(r: dict[str, Any]) -> str:
@@ -505,7 +661,19 @@ class JobRun:
 
 
 class RowProblem(Exception):
-    """Why one input row cannot be generated; it becomes an error row."""
+    """Why one input row cannot be generated; it becomes an error row (``str`` is the
+    ``error`` column: one line)."""
+
+    MAX_CHARS = 500
+
+    @classmethod
+    def of(cls, what: str, err: BaseException) -> RowProblem:
+        """``what: <err as one line>``, cut to a readable length."""
+        detail = " ".join(str(err).split()) or type(err).__name__
+        text = f"{what}: {detail}"
+        if len(text) > cls.MAX_CHARS:
+            text = text[: cls.MAX_CHARS - 3] + "..."
+        return cls(text)
 
 
 def run(job: Job, fresh: bool = False, quiet: bool = False) -> dict[str, Any]:

@@ -103,7 +103,9 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} for byte-level BPE")
+        raise ValueError(
+            f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} for byte-level BPE"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -221,7 +223,11 @@ def write_prompts_parquet(
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    prompts = make_prompts(num_rows, seed=seed, min_words=min_words, max_words=max_words, prefix=prefix)
-    table = pa.table({"id": pa.array(range(num_rows), pa.int64()), "prompt": pa.array(prompts, pa.string())})
+    prompts = make_prompts(
+        num_rows, seed=seed, min_words=min_words, max_words=max_words, prefix=prefix
+    )
+    table = pa.table(
+        {"id": pa.array(range(num_rows), pa.int64()), "prompt": pa.array(prompts, pa.string())}
+    )
     pq.write_table(table, out)
     return out

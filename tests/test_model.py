@@ -65,7 +65,8 @@ def hf_logits(model_dir: Path, seqs: list[list[int]]) -> list[torch.Tensor]:
 def new_cache(model, num_blocks: int, block_size: int) -> torch.Tensor:
     cfg = model.cfg
     shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return torch.full(shape, float("nan"))  # a stray read of an unused slot shows as NaN
+    dtype = model.embed_tokens.weight.dtype
+    return torch.full(shape, float("nan"), dtype=dtype)  # a stray read of a free slot shows
 
 
 def run_paged(
@@ -281,7 +282,7 @@ def reference_attention(q, k_cache, v_cache, meta, scale):
 
 
 @pytest.mark.parametrize("hq,hkv,block_size", [(4, 2, 4), (3, 3, 16), (8, 1, 8)])
-@pytest.mark.parametrize("tuning", ["default", "split", "merge"])
+@pytest.mark.parametrize("tuning", ["default", "split", "merge", "no_flash_op"])
 def test_torch_attention_matches_reference(
     hq: int, hkv: int, block_size: int, tuning: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -292,6 +293,8 @@ def test_torch_attention_matches_reference(
     if tuning != "default":
         monkeypatch.setattr(attention, "_CASCADE_MIN_SAVED", 0)  # any shared block is a cascade
         monkeypatch.setattr(attention, "_GROUP_OVERHEAD", 0 if tuning == "split" else 10**9)
+    if tuning == "no_flash_op":  # the log-sum-exp path used off the CPU
+        monkeypatch.setattr(attention, "_flash_cpu", None)
     gen = torch.Generator().manual_seed(hq * 100 + block_size)
     d, bs = 8, block_size
     pools = {"a": 3, "b": 1}  # shared prefixes, in blocks
@@ -317,7 +320,7 @@ def test_torch_attention_matches_reference(
             k_flat[blk * bs : (blk + 1) * bs] = torch.randn(bs, hkv, d, generator=gen)
             v_flat[blk * bs : (blk + 1) * bs] = torch.randn(bs, hkv, d, generator=gen)
     tables = []
-    for b, (q_len, cached, pool) in enumerate(specs):
+    for b, (_, _, pool) in enumerate(specs):
         mine, perm = perm[: own[b]], perm[own[b] :]
         tables.append((pool_blocks[pool] if pool else []) + mine)
     bt = torch.zeros(len(specs), max(len(t) for t in tables), dtype=torch.int32)
@@ -370,7 +373,12 @@ def test_torch_attention_matches_reference(
             "original_max_position_embeddings": 64,
             "rope_theta": 500000.0,
         },
-        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 10000.0,
+        },
     ],
     ids=lambda r: r["rope_type"],
 )
@@ -383,6 +391,61 @@ def test_rope_scaling_matches_transformers(rope: dict, tmp_path: Path) -> None:
     seq = torch.randint(0, info.vocab_size, (300,), generator=gen).tolist()
     (ours,) = run_paged(model, [seq], [[200, 100]], 16, gen)
     assert_close_logits(ours, hf_logits(model_dir, [seq])[0])
+
+
+def test_config_parsing(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from batchgen.model.loader import read_model_config
+
+    copy = shutil.copytree(model_dirs["llama"], tmp_path / "legacy")
+    base = json.loads((copy / "config.json").read_text())
+
+    def parse(**changes):
+        cfg = {k: v for k, v in base.items() if k not in ("rope_parameters", "head_dim")}
+        cfg.update(changes)
+        (copy / "config.json").write_text(json.dumps(cfg))
+        return read_model_config(copy)[0]
+
+    # transformers-4 style: top-level rope_theta, rope_scaling with "type" or "rope_type"
+    cfg = parse(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rope.factor) == ("linear", 500000.0, 2.0)
+    assert cfg.head_dim == 64 // 4  # no head_dim: hidden / heads
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    cfg = parse(rope_theta=500000.0, rope_scaling=llama31)
+    assert cfg.rope.rope_type == "llama3" and cfg.rope.original_max_position_embeddings == 8192
+    assert parse().rope.rope_type == "default"
+    with pytest.raises(ModelError, match="unsupported rope type 'longrope'"):
+        parse(rope_scaling={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ModelError, match="'hidden_size' must be a positive integer"):
+        parse(hidden_size=None)
+    with pytest.raises(ModelError, match="not a multiple of num_key_value_heads"):
+        parse(num_key_value_heads=3)
+
+
+def test_bfloat16_forward_runs(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 weights and cache on the CPU, through the decode, extend and cascade paths."""
+    from batchgen.model import attention
+
+    monkeypatch.setattr(attention, "_CASCADE_MIN_SAVED", 0)
+    model_dir = model_dirs["qwen3"]
+    model, info = load_model(model_dir, CPU, torch.bfloat16, TorchAttention())
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, info.vocab_size, (40,), generator=gen).tolist()
+    seqs = [
+        prefix + torch.randint(0, info.vocab_size, (n,), generator=gen).tolist() for n in (3, 9)
+    ]
+    ref = hf_logits(model_dir, seqs)
+    ours = run_paged(
+        model, seqs, [[40, 1, 1, 1], [0, 12, 1, 1, 1, 1, 1]], 16, gen, shared={1: (0, 2)}
+    )
+    for o, r in zip(ours, ref, strict=True):
+        rows = ~o.isnan().all(-1)
+        assert torch.isfinite(o[rows]).all()
+        # bf16 end to end: loose agreement with the fp32 reference
+        assert torch.nn.functional.cosine_similarity(o[rows], r[rows], dim=-1).min() > 0.995
 
 
 def test_model_info_and_identity(model_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -456,7 +519,9 @@ def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     cfg = json.loads((gpt2 / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (gpt2 / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match="unsupported architecture GPT2LMHeadModel.*LlamaForCausalLM"):
+    with pytest.raises(
+        ModelError, match="unsupported architecture GPT2LMHeadModel.*LlamaForCausalLM"
+    ):
         read_model_info(gpt2)
 
     no_weights = _copy_model(model_dirs["mistral"], tmp_path / "no_weights")
@@ -467,7 +532,9 @@ def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     truncated = _copy_model(model_dirs["mistral"], tmp_path / "truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ModelError, match="corrupt or truncated safetensors file .*model.safetensors"):
+    with pytest.raises(
+        ModelError, match="corrupt or truncated safetensors file .*model.safetensors"
+    ):
         load(truncated)
 
     from safetensors.torch import load_file, save_file

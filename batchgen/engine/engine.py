@@ -31,6 +31,7 @@ class EngineConfig:
 class EngineStats:
     steps: int = 0
     computed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
+    sampled_tokens: int = 0  # tokens drawn (what a progress bar's tokens/s counts)
     allocated_slots: int = 0  # summed over steps: KV slots in blocks in use
     unused_slots: int = 0  # summed over steps: allocated slots that hold no token yet
 
@@ -117,6 +118,7 @@ class Engine:
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
             logits = self.model.compute_logits(hidden[step.logits_indices])
             draws = self._sample(batch, logits)
+            self.stats.sampled_tokens += len(step.logits_indices)
         else:
             self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         self._account(batch)

@@ -121,9 +121,9 @@ class _Group:
     #                         None: the group is rows 0..T-1 in order, without padding
     k_slots: Tensor | None  # [n*max_k] int64 cache slots (padding clamps to the seq's last key);
     #                         None for _FRESH (its keys are the new k rows at q_index)
-    mask: Tensor | None  # may-attend mask; None: attend to all. bool, or additive float when
-    #                      want_lse. _DECODE [n,1,1,max_k]; _EXTEND [n,1,max_q,max_k], packed
-    #                      (want_lse) [n,1,max_q*G,max_k] with row i*G+g for token i, head g
+    mask: Tensor | None  # additive (0 / -inf, q's dtype); None: attend to all keys.
+    #                      _DECODE [n,1,1,max_k]; _EXTEND [n,1,max_q,max_k], or packed (want_lse)
+    #                      [n,1,max_q*G,max_k] with row i*G+g for token i, head g
     out_select: Tensor | None  # [m] valid rows among the n*max_q padded rows; None: all valid
     out_rows: Tensor | None  # [m] destination rows in the output; None: identity
 
@@ -294,14 +294,12 @@ def build_torch_plan(
                     mask = (ar_k[None, None, :] <= q_pos[:, :, None])[:, None]  # [n,1,max_q,max_k]
                     if member:
                         mask = mask.repeat_interleave(group, dim=2)  # packed rows i*G+g
-                if member and mask is not None:
+                if mask is not None:  # additive form, as SDPA would convert it at every call
                     mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(
                         ~mask, float("-inf")
                     )
             groups.append(
-                _Group(
-                    kind, n, max_q, max_k, member, q_index, k_slots, mask, out_select, out_rows
-                )
+                _Group(kind, n, max_q, max_k, member, q_index, k_slots, mask, out_select, out_rows)
             )
     return TorchAttentionPlan(block_size, group, dtype, num_tokens, groups, cascades)
 
@@ -339,7 +337,12 @@ class TorchAttention:
     def _buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         numel = math.prod(shape)
         buf = self._workspace.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+        if (
+            buf is None
+            or buf.numel() < numel
+            or buf.dtype != like.dtype
+            or buf.device != like.device
+        ):
             buf = torch.empty(numel, dtype=like.dtype, device=like.device)
             self._workspace[name] = buf
         return buf[:numel].view(shape)
@@ -372,7 +375,11 @@ class TorchAttention:
         v_flat.index_copy_(0, meta.slot_mapping, v)
 
         plan = meta.torch_plan
-        if plan is None or (plan.block_size, plan.group, plan.dtype) != (block_size, group, q.dtype):
+        if plan is None or (plan.block_size, plan.group, plan.dtype) != (
+            block_size,
+            group,
+            q.dtype,
+        ):
             plan = build_torch_plan(meta, block_size, group, q.dtype)
             meta.torch_plan = plan
 
@@ -385,7 +392,9 @@ class TorchAttention:
             if g.out_select is not None:
                 o = o.index_select(0, g.out_select)
                 lse = None if lse is None else lse.index_select(0, g.out_select)
-            rows = g.out_rows if g.out_rows is not None else torch.arange(num_tokens, device=q.device)
+            rows = (
+                g.out_rows if g.out_rows is not None else torch.arange(num_tokens, device=q.device)
+            )
             out.index_copy_(0, rows, o)
             if lse is not None:
                 assert lse_all is not None
@@ -396,7 +405,14 @@ class TorchAttention:
         return out
 
     def _group(
-        self, g: _Group, q: Tensor, k: Tensor, v: Tensor, k_flat: Tensor, v_flat: Tensor, scale: float
+        self,
+        g: _Group,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_flat: Tensor,
+        v_flat: Tensor,
+        scale: float,
     ) -> tuple[Tensor, Tensor | None]:
         """One padded group -> out ``[n*max_q, Hq, D]`` (padded rows included) and, for cascade
         members, the log-sum-exp ``[n*max_q, Hq]``."""
@@ -461,7 +477,11 @@ class TorchAttention:
             o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=mask, scale=scale)
             return o.reshape(m, hq, d), None
         if g.want_lse:
-            qp = qg.view(m, max_q, hkv, grp, d).permute(0, 2, 1, 3, 4).reshape(m, hkv, max_q * grp, d)
+            qp = (
+                qg.view(m, max_q, hkv, grp, d)
+                .permute(0, 2, 1, 3, 4)
+                .reshape(m, hkv, max_q * grp, d)
+            )
             o, lse = _attend_lse(qp, kg, vg, mask, scale)  # [m,Hkv,max_q*G,D], [m,Hkv,max_q*G]
             o = o.view(m, hkv, max_q, grp, d).permute(0, 2, 1, 3, 4).reshape(m * max_q, hq, d)
             lse = lse.view(m, hkv, max_q, grp).permute(0, 2, 1, 3).reshape(m * max_q, hq)

@@ -72,7 +72,9 @@ class ModelConfig:
     rope: RopeConfig
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[Tensor, float]:
+def rope_inv_freq(
+    rope: RopeConfig, head_dim: int, max_position_embeddings: int
+) -> tuple[Tensor, float]:
     """Inverse frequencies ``[head_dim/2]`` (fp32) and the cos/sin scale (``attention_factor``).
 
     Follows the published definitions of each scaling type. ``dynamic`` (NTK) rescales only
@@ -111,7 +113,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int)
             attention_factor = mscale(factor)
 
         def correction_dim(rotations: float) -> float:
-            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+            return (dim * math.log(original / (rotations * 2 * math.pi))) / (
+                2 * math.log(rope.theta)
+            )
 
         low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
         if rope.truncate:
@@ -164,13 +168,21 @@ class LlamaAttention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
     ) -> Tensor:
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -199,8 +211,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        # in place: no new [T, I] buffers (inference only; gate_up is ours alone)
+        F.silu(gate, inplace=True)
+        return self.down_proj(gate.mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -214,10 +229,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x is the residual stream, owned by the model's forward: updated in place
+        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -234,10 +256,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, attention) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, attention) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         # RoPE tables [max_model_len, D/2], fp32, always built on the CPU first (explicit device,
         # so that building the modules on the meta device still yields real tables).

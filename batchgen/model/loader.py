@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from batchgen.model.llama import SUPPORTED_ROPE_TYPES, LlamaForCausalLM, ModelCo
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelInfo",
+    "check_model",
     "read_model_config",
     "read_model_info",
     "load_model",
@@ -103,6 +105,8 @@ def _model_dir(model_dir: str | Path) -> Path:
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelError(f"model folder not found: {path}")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ModelError(f"cannot read model folder {path}: permission denied")
     return path
 
 
@@ -121,8 +125,11 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int) -> RopeConfig:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ModelError(f"invalid config.json {path}: rope_parameters must be an object")
-    if "rope_type" not in params and "type" not in params and params and all(
-        isinstance(v, dict) for v in params.values()
+    if (
+        "rope_type" not in params
+        and "type" not in params
+        and params
+        and all(isinstance(v, dict) for v in params.values())
     ):
         raise ModelError(f"unsupported config.json {path}: per-layer-type rope_parameters")
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -134,8 +141,11 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int) -> RopeConfig:
     if partial not in (None, 1, 1.0):
         raise ModelError(f"unsupported partial_rotary_factor {partial} in {path}")
     theta = params.get("rope_theta", raw.get("rope_theta")) or 10000.0
-    original = raw.get("original_max_position_embeddings") or params.get(
-        "original_max_position_embeddings"
+    # the pre-training length that llama3/yarn scale from (HF's default: max_position_embeddings)
+    original = (
+        raw.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or max_pos
     )
     factor = params.get("factor")
     try:
@@ -211,20 +221,29 @@ def read_model_config(model_dir: str | Path) -> tuple[ModelConfig, tuple[int, ..
             f"num_key_value_heads {num_kv_heads}"
         )
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2 != 0:
-        raise ModelError(f"invalid config.json {path}: head_dim {head_dim} must be a positive even integer")
+        raise ModelError(
+            f"invalid config.json {path}: head_dim {head_dim} must be a positive even integer"
+        )
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelError(f"unsupported hidden_act {act!r} in {path}; supported: silu")
     max_pos = raw.get("max_position_embeddings") or defaults["max_position_embeddings"]
     if not isinstance(max_pos, int) or max_pos <= 0:
-        raise ModelError(f"invalid config.json {path}: max_position_embeddings must be a positive integer")
+        raise ModelError(
+            f"invalid config.json {path}: max_position_embeddings must be a positive integer"
+        )
     # Sliding-window attention is not implemented: the usable length is capped at the window,
     # where windowed and full causal attention are identical.
     window = _sliding_window(raw, arch)
     max_model_len = min(max_pos, window) if isinstance(window, int) and window > 0 else max_pos
     rope = _parse_rope(raw, path, max_pos)
 
-    attention_bias = bool(raw.get("attention_bias", False))
+    # biases: Qwen2 always has them on q/k/v (never on o); Llama's attention_bias covers
+    # q/k/v/o and Qwen3's too; Mistral has none; only Llama has mlp_bias
+    attention_bias = bool(raw.get("attention_bias", False)) and arch != "MistralForCausalLM"
+    qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+    o_bias = attention_bias and arch != "Qwen2ForCausalLM"
+    mlp_bias = bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM"
     cfg = ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -237,9 +256,9 @@ def read_model_config(model_dir: str | Path) -> tuple[ModelConfig, tuple[int, ..
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_model_len=max_model_len,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias and arch != "MistralForCausalLM",
-        o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
-        mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
         qk_norm=arch == "Qwen3ForCausalLM",
         rope=rope,
     )
@@ -295,12 +314,16 @@ def _weight_files(root: Path) -> dict[str, Path]:
         raise ModelError(f"no weights (*.safetensors) found in {root}")
     files: dict[str, Path] = {}
     for shard in shards:
+        if not os.access(shard, os.R_OK):
+            raise ModelError(f"cannot read weight file {shard}: permission denied")
         try:
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     files[name] = shard
         except Exception as err:  # safetensors raises its own error types
-            raise ModelError(f"corrupt or truncated safetensors file {shard}: {_one_line(err)}") from None
+            raise ModelError(
+                f"corrupt or truncated safetensors file {shard}: {_one_line(err)}"
+            ) from None
     return files
 
 
@@ -335,6 +358,106 @@ def _weight_plan(cfg: ModelConfig) -> dict[str, list[str]]:
     return plan
 
 
+def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for each HF tensor of the plan (by HF name)."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (cfg.vocab_size, h),
+    }
+    for i in range(cfg.num_layers):
+        layer = f"model.layers.{i}."
+        attn, mlp = layer + "self_attn.", layer + "mlp."
+        shapes |= {
+            layer + "input_layernorm.weight": (h,),
+            layer + "post_attention_layernorm.weight": (h,),
+            attn + "q_proj.weight": (q, h),
+            attn + "k_proj.weight": (kv, h),
+            attn + "v_proj.weight": (kv, h),
+            attn + "o_proj.weight": (h, q),
+            attn + "q_proj.bias": (q,),
+            attn + "k_proj.bias": (kv,),
+            attn + "v_proj.bias": (kv,),
+            attn + "o_proj.bias": (h,),
+            attn + "q_norm.weight": (d,),
+            attn + "k_norm.weight": (d,),
+            mlp + "gate_proj.weight": (inter, h),
+            mlp + "up_proj.weight": (inter, h),
+            mlp + "down_proj.weight": (h, inter),
+            mlp + "gate_proj.bias": (inter,),
+            mlp + "up_proj.bias": (inter,),
+            mlp + "down_proj.bias": (h,),
+        }
+    return shapes
+
+
+def _check_weights(root: Path, cfg: ModelConfig) -> dict[str, Path]:
+    """Map each HF tensor the model needs to its file, after checking from the safetensors
+    headers alone (no tensor is read) that every file is complete and readable, and that every
+    needed tensor is there with the shape config.json implies. Raises ModelError."""
+    from safetensors import safe_open
+
+    files = _weight_files(root)
+    needed = sorted({hf for names in _weight_plan(cfg).values() for hf in names})
+    for hf in needed:
+        if hf not in files:
+            raise ModelError(f"tensor {hf} missing from the weights in {root}")
+    by_file: dict[Path, list[str]] = {}
+    for hf in needed:
+        by_file.setdefault(files[hf], []).append(hf)
+    expected = _hf_shapes(cfg)
+    for file, names in sorted(by_file.items()):
+        if not os.access(file, os.R_OK):
+            raise ModelError(f"cannot read weight file {file}: permission denied")
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                shapes = {hf: tuple(f.get_slice(hf).get_shape()) for hf in names if hf in present}
+        except Exception as err:  # safetensors raises its own error types
+            raise ModelError(
+                f"corrupt or truncated safetensors file {file}: {_one_line(err)}"
+            ) from None
+        for hf in names:
+            if hf not in shapes:
+                raise ModelError(f"tensor {hf} missing from {file}")
+            if shapes[hf] != expected[hf]:
+                raise ModelError(
+                    f"weight shape mismatch in {root}: {hf} is {shapes[hf]} in {file.name}; "
+                    f"config.json implies {expected[hf]}"
+                )
+    return files
+
+
+_LINKABLE_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja")
+
+
+def check_model(model_dir: str | Path) -> None:
+    """Check a model folder without loading weights or the tokenizer (cheap: config.json, the
+    safetensors headers and the tokenizer files): the config is supported, every weight file is
+    complete, every tensor is there with the right shape, a tokenizer is there.
+
+    Raises ModelError with one line naming the problem and the file. Run before anything is
+    written, so a half-copied model folder is refused before the job touches its output folder.
+    """
+    root = _model_dir(model_dir)
+    try:
+        broken = sorted(
+            p for p in root.iterdir() if p.suffix in _LINKABLE_SUFFIXES and not p.exists()
+        )
+    except OSError as err:
+        raise ModelError(f"cannot read model folder {root}: {err.strerror or err}") from None
+    if broken:  # is_symlink and exists() False: e.g. a copied HF cache snapshot without blobs
+        raise ModelError(
+            f"{broken[0]} is a broken link (target {os.readlink(broken[0])} is missing); "
+            "is the model folder completely copied?"
+        )
+    cfg, _ = read_model_config(root)
+    _check_tokenizer_files(root)
+    _check_weights(root, cfg)
+
+
 def load_model(
     model_dir: str | Path,
     device: torch.device,
@@ -346,7 +469,7 @@ def load_model(
 
     root = _model_dir(model_dir)
     cfg, eos = read_model_config(root)
-    files = _weight_files(root)
+    files = _check_weights(root, cfg)
     plan = _weight_plan(cfg)
 
     # Modules are built on the meta device (no memory, no random init); real tensors are
@@ -357,9 +480,6 @@ def load_model(
     assert set(expected) == set(plan), sorted(set(expected) ^ set(plan))
 
     needed = {hf for names in plan.values() for hf in names}
-    for hf in sorted(needed):
-        if hf not in files:
-            raise ModelError(f"tensor {hf} missing from the weights in {root}")
     by_file: dict[Path, list[str]] = {}
     for hf in needed:
         by_file.setdefault(files[hf], []).append(hf)
@@ -373,14 +493,18 @@ def load_model(
         except ModelError:
             raise
         except Exception as err:
-            raise ModelError(f"corrupt or truncated safetensors file {file}: {_one_line(err)}") from None
+            raise ModelError(
+                f"corrupt or truncated safetensors file {file}: {_one_line(err)}"
+            ) from None
 
     state: dict[str, torch.Tensor] = {}
     for ours, hf_names in plan.items():
         parts = [loaded.pop(hf) for hf in hf_names]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if tensor.shape != expected[ours]:
-            shapes = ", ".join(f"{hf} {tuple(p.shape)}" for hf, p in zip(hf_names, parts, strict=True))
+            shapes = ", ".join(
+                f"{hf} {tuple(p.shape)}" for hf, p in zip(hf_names, parts, strict=True)
+            )
             raise ModelError(
                 f"weight shape mismatch in {root}: {shapes}; config.json implies {tuple(expected[ours])}"
             )
@@ -397,11 +521,26 @@ def load_model(
 # --------------------------------------------------------------------------------------------
 
 
+def _check_tokenizer_files(root: Path) -> None:
+    """A tokenizer file is there, and ``tokenizer.json``, if any, is complete JSON."""
+    if not any(
+        (root / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    ):
+        raise ModelError(
+            f"no tokenizer found in {root} (tokenizer.json, tokenizer.model or vocab.json)"
+        )
+    path = root / "tokenizer.json"
+    if path.is_file():
+        try:
+            json.loads(path.read_bytes())
+        except (OSError, ValueError) as err:
+            raise ModelError(f"invalid tokenizer file {path}: {_one_line(err)}") from None
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The model's tokenizer via ``AutoTokenizer`` (local files only, never the network)."""
     root = _model_dir(model_dir)
-    if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ModelError(f"no tokenizer found in {root} (tokenizer.json, tokenizer.model or vocab.json)")
+    _check_tokenizer_files(root)
     from transformers import AutoTokenizer
 
     try:
@@ -415,7 +554,9 @@ def _safetensors_header(path: Path) -> bytes:
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ModelError(f"corrupt or truncated safetensors file {path}: shorter than its header")
+            raise ModelError(
+                f"corrupt or truncated safetensors file {path}: shorter than its header"
+            )
         (size,) = struct.unpack("<Q", head)
         if size > 100 * 1024 * 1024:
             raise ModelError(f"corrupt safetensors file {path}: implausible header size {size}")
@@ -427,8 +568,22 @@ def model_identity(model_dir: str | Path) -> str:
 
     Covers config.json, generation_config.json, the tokenizer files' contents, and each weight
     file's name, size and safetensors header; not the full weight bytes.
+
+    Checks the folder first (:func:`check_model`): a job fingerprints its model before it opens
+    its output folder, so a broken model never leaves a folder bound to a broken model's
+    identity behind.
     """
+    check_model(model_dir)
     root = _model_dir(model_dir)
+    try:
+        return _identity(root)
+    except OSError as err:
+        raise ModelError(
+            f"cannot read model file {err.filename or root}: {err.strerror or err}"
+        ) from None
+
+
+def _identity(root: Path) -> str:
     digest = hashlib.sha256()
 
     def add(label: str, data: bytes) -> None:

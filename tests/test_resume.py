@@ -1,0 +1,460 @@
+"""Kill it anywhere, lose nothing: real ``batchgen run`` processes killed with SIGKILL at random
+moments (mid-commit among them), stopped with SIGINT / SIGTERM (once and twice), then resumed
+until done; the fingerprint check through the CLI; ``batchgen status``.
+
+Every resumed folder must end up equal to one uninterrupted run: each ``(id, sample_index)``
+exactly once, the same token ids, every Parquet file readable. The figures (kills, rows,
+duplicates, mismatches, work lost per kill) are printed; ``pytest -s`` shows them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchgen.cli import main
+from batchgen.results import MANIFEST_NAME, REPORT_NAME
+from batchgen.tiny_model import make_prompts
+from tests.jobkit import read_results, run_cli, write_job
+
+ROWS = 64
+N = 2
+SAMPLING = {"n": N, "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 7,
+            "ignore_eos": True}
+ENGINE = {"block_size": 8, "max_num_seqs": 16}
+# Commit after every few finished rows, so kills land in and around commits often.
+FAST_COMMITS = ("--set", "output.commit_rows=4", "--set", "output.commit_seconds=0.05")
+MODEL_ARGS = dict(num_heads=4, num_kv_heads=2, head_dim=24)
+PROC_TIMEOUT = 240  # seconds; a loaded 2-core machine starts torch slowly
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def manifest_of(out: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def committed_rows(out: Path) -> int:
+    m = manifest_of(out)
+    return m["totals"]["rows"] if m else 0
+
+
+def leftovers(out: Path) -> list[str]:
+    """Traces of an unfinished commit: temp files, and part files the manifest does not list."""
+    m = manifest_of(out)
+    listed = {p["name"] for p in m["parts"]} if m else set()
+    return sorted(
+        name for name in os.listdir(out)
+        if name.endswith(".tmp") or (name.startswith("part-") and name not in listed)
+    )
+
+
+def check_folder(out: Path, ref: dict[tuple[Any, int], list[int]]) -> dict[str, int]:
+    """Read the folder as a user would; count what would be wrong.
+
+    Every Parquet file must be readable on its own (pyarrow.parquet) and all together
+    (pyarrow.dataset); ``duplicates``: (id, sample_index) seen more than once; ``partial_rows``:
+    ids with fewer than N samples; ``mismatches``: token ids differing from the reference run.
+    """
+    m = manifest_of(out)
+    assert m is not None
+    for part in m["parts"]:
+        assert (out / part["name"]).is_file(), f"listed part {part['name']} is missing"
+    for name in sorted(os.listdir(out)):
+        if name.startswith("part-"):
+            pq.read_table(out / name)  # raises if unreadable
+    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    keys = Counter((r["id"], r["sample_index"]) for r in rows)
+    samples_per_id = Counter(r["id"] for r in rows)
+    return {
+        "samples": len(rows),
+        "rows": len(samples_per_id),
+        "duplicates": sum(c - 1 for c in keys.values()),
+        "partial_rows": sum(1 for c in samples_per_id.values() if c != N),
+        "mismatches": sum(1 for r in rows if r["token_ids"] != ref[(r["id"], r["sample_index"])]),
+    }
+
+
+def check_complete(out: Path, ref: dict[tuple[Any, int], list[int]]) -> dict[str, int]:
+    """The folder of a finished job: everything exactly once, equal to the reference."""
+    figures = check_folder(out, ref)
+    assert leftovers(out) == []
+    assert manifest_of(out)["finished"] is True
+    got = {(r["id"], r["sample_index"]): r["token_ids"] for r in read_results(out)}
+    assert set(got) == set(ref), "some (id, sample_index) is missing or extra"
+    assert figures["duplicates"] == 0 and figures["mismatches"] == 0
+    assert figures["samples"] == ROWS * N
+    return figures
+
+
+def start(job: Path, *args: str) -> subprocess.Popen[str]:
+    """A real ``batchgen run`` in its own process."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchgen.cli", "run", str(job), "--quiet", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_for_commit(proc: subprocess.Popen[str], out: Path, rows_before: int) -> bool:
+    """Wait until ``proc`` has committed rows (it is generating). False if it exited first."""
+    deadline = time.monotonic() + PROC_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        if out.is_dir() and committed_rows(out) > rows_before:
+            return True
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError("no commit in time")
+
+
+def wait_for_temp_file(proc: subprocess.Popen[str], out: Path, timeout: float) -> bool:
+    """Poll (fast) until a commit's temp file exists: a kill now lands inside a commit."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(name.endswith(".tmp") for name in os.listdir(out)):
+            return True
+        time.sleep(0.0005)
+    return False
+
+
+def seconds_since(iso: str | None) -> float | None:
+    if not iso:
+        return None
+    then = datetime.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - then).total_seconds()
+
+
+def finish(out: Path, job: Path, *args: str) -> str:
+    """Resume to the end in this process (saves a torch start-up); returns its stderr."""
+    result = run_cli("run", str(job), "--quiet", "--set", f"output.path={out}", *args)
+    return result.stderr
+
+
+# --------------------------------------------------------------------------- the shared job
+
+
+@pytest.fixture(scope="module")
+def crash(tiny_model, tmp_path_factory) -> SimpleNamespace:
+    """A job of ROWS rows, run once uninterrupted with the default commit settings: the
+    reference tokens, and how often commits happen under the defaults."""
+    model = tiny_model("llama", **MODEL_ARGS)
+    base = tmp_path_factory.mktemp("resume")
+    prompts = make_prompts(ROWS, seed=11, min_words=3, max_words=30)
+    job = write_job(base, model, prompts, sampling=SAMPLING, engine=ENGINE, output="ref")
+    t0 = time.time()
+    run_cli("run", str(job), "--quiet")
+    t1 = time.time()
+    ref_out = base / "ref"
+    ref = {(r["id"], r["sample_index"]): r["token_ids"] for r in read_results(ref_out)}
+    assert len(ref) == ROWS * N
+    report = json.loads((ref_out / REPORT_NAME).read_text())
+    # Commit times under the defaults (commit_rows=1000, commit_seconds=5): part files' mtimes.
+    times = sorted((ref_out / p["name"]).stat().st_mtime for p in manifest_of(ref_out)["parts"])
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gen_start = t1 - report["elapsed_s"]  # the run's own clock: model load excluded
+    # A kill loses the finished rows not yet committed (at most commit_seconds' worth, or
+    # commit_rows samples) plus the partial work on rows in flight.
+    print(
+        f"\n[resume] reference run: {ROWS} rows x n={N}, {report['output_tokens']} tokens in "
+        f"{report['elapsed_s']:.1f}s of generation ({t1 - t0:.1f}s in all); under the default "
+        f"commit settings: {len(times)} parts, the first {times[0] - gen_start:.2f}s into "
+        f"generation, then after {', '.join(f'{g:.2f}s' for g in gaps) or '-'} (the last one is "
+        "the end of the job)"
+    )
+    return SimpleNamespace(model=model, base=base, job=job, ref=ref, default_commit_gaps=gaps)
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+
+
+def test_sigkill_anywhere_then_resume(crash: SimpleNamespace) -> None:
+    """SIGKILL real runs at random moments: after a random delay, inside a commit (a temp file
+    exists), during start-up; after each kill the folder must read cleanly; then resume."""
+    out = crash.base / "killed"
+    args = ("--set", f"output.path={out}", *FAST_COMMITS)
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    plan = ["random", "in_commit", "startup", "random", "in_commit"]
+    extra = ["in_commit"] * 3  # only while no kill has landed inside a commit yet
+    kills = mid_commit = 0
+    log: list[str] = []
+    ages: list[float] = []
+    t_start = time.monotonic()
+    while plan or (extra and not mid_commit):
+        how = plan.pop(0) if plan else extra.pop(0)
+        before = committed_rows(out)
+        proc = start(crash.job, *args)
+        if how == "startup":
+            time.sleep(rng.uniform(0.2, 2.5))  # imports, model load, folder cleanup
+        else:
+            if not wait_for_commit(proc, out, before):
+                break  # ran to the end before we could kill it
+            if how == "random":
+                time.sleep(rng.uniform(0.0, 0.5))
+            else:
+                wait_for_temp_file(proc, out, timeout=3.0)
+        if proc.poll() is not None:
+            break
+        proc.kill()
+        proc.wait(timeout=60)
+        kills += 1
+        if out.is_dir() and manifest_of(out) is not None:
+            age = seconds_since(manifest_of(out)["last_commit_at"])
+            if age is not None and how != "startup":
+                ages.append(age)
+            left = leftovers(out)
+            mid_commit += bool(left) and how != "startup"
+            figures = check_folder(out, crash.ref)
+            assert figures["duplicates"] == 0 and figures["partial_rows"] == 0
+            assert figures["mismatches"] == 0
+            log.append(f"{how}: {figures['rows']} rows committed, leftovers {left or 'none'}")
+        else:
+            log.append(f"{how}: before the folder existed")
+    stderr = finish(out, crash.job, *FAST_COMMITS)
+    assert "batchgen: done:" in stderr
+    figures = check_complete(out, crash.ref)
+    elapsed = time.monotonic() - t_start
+    print(
+        f"\n[resume] SIGKILL (random seed {seed}): {kills} kills, {mid_commit} of them inside a "
+        f"commit; then {figures['rows']} rows / {figures['samples']} samples, "
+        f"{figures['duplicates']} duplicates, {figures['mismatches']} token mismatches vs the "
+        f"uninterrupted run; the last commit was at most {max(ages, default=0):.2f}s old at a "
+        f"kill (commit_seconds=0.05; rows finish in bursts); {elapsed:.0f}s"
+    )
+    for line in log:
+        print(f"[resume]   {line}")
+    assert kills >= 5
+    # Else no kill hit a part-file write; the temp-file kills (retried) make that unlikely.
+    assert mid_commit >= 1
+
+
+# --------------------------------------------------------------------------- SIGINT / SIGTERM
+
+
+def test_sigint_and_sigterm_save_then_resume(crash: SimpleNamespace) -> None:
+    out = crash.base / "signalled"
+    args = ("--set", f"output.path={out}", *FAST_COMMITS)
+    rng = random.Random()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        before = committed_rows(out)
+        proc = start(crash.job, *args)
+        assert wait_for_commit(proc, out, before), proc.communicate()
+        time.sleep(rng.uniform(0.0, 0.3))
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=PROC_TIMEOUT)
+        took = time.monotonic() - sent
+        assert proc.returncode == 130, (sig, err)
+        assert "Traceback" not in err
+        assert "batchgen: interrupted:" in err, err
+        report = json.loads((out / REPORT_NAME).read_text())
+        m = manifest_of(out)
+        assert report["finished"] is False and m["finished"] is False
+        # Everything finished was committed: the report's rows are all in the manifest.
+        assert report["rows"] == m["totals"]["rows"] - before > 0
+        assert report["rows_done"] == m["totals"]["rows"]
+        assert leftovers(out) == []  # a graceful stop leaves no half-done commit
+        figures = check_folder(out, crash.ref)
+        assert figures["duplicates"] == figures["partial_rows"] == figures["mismatches"] == 0
+        status = run_cli("status", str(out)).output
+        assert "not finished" in status
+        assert f"{m['totals']['rows']} of {ROWS} rows" in status
+        print(
+            f"\n[resume] {signal.Signals(sig).name}: exit 130 after {took:.2f}s, "
+            f"{report['rows']} rows saved ({m['totals']['rows']} of {ROWS} in all)\n{status}"
+        )
+    finish(out, crash.job, *FAST_COMMITS)
+    figures = check_complete(out, crash.ref)
+    status = run_cli("status", str(out)).output
+    assert "state:         finished" in status and f"{ROWS} of {ROWS} rows" in status
+    print(f"[resume] after the resume: {figures}\n{status}")
+
+
+def test_second_sigint_exits_at_once(crash: SimpleNamespace) -> None:
+    out = crash.base / "twice"
+    proc = start(crash.job, "--set", f"output.path={out}", *FAST_COMMITS)
+    assert wait_for_commit(proc, out, 0), proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.02)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=PROC_TIMEOUT)
+    took = time.monotonic() - sent
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert took < 10
+    if "interrupted again" in err:
+        path = "the runner exited at once"
+    elif err.rstrip().endswith("interrupted"):
+        path = "the graceful stop had ended; exited at once during teardown"
+    else:
+        path = "the graceful stop ended first"
+    figures = check_folder(out, crash.ref)
+    assert figures["duplicates"] == figures["partial_rows"] == figures["mismatches"] == 0
+    left = leftovers(out)
+    assert "not finished" in run_cli("status", str(out)).output
+    # (Resuming such a folder is what the SIGKILL test does at length.)
+    print(f"\n[resume] second SIGINT: exit 130 {took:.2f}s after it ({path}); "
+          f"{figures['rows']} rows kept, leftovers {left or 'none'}")
+
+
+def test_second_signal_handler_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process: the first signal only sets ``stop``; the second exits 130 at once."""
+    from batchgen.runner import _Signals
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    before = signal.getsignal(signal.SIGINT)
+    signals = _Signals()
+    signals.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs at the next bytecode boundary
+        assert signals.stop
+        with pytest.raises(Exited) as exited:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+        assert exited.value.args == (130,)
+    finally:
+        signals.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert signals.received == signal.SIGTERM
+
+
+# --------------------------------------------------------------------------- fingerprint
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def refusal(result) -> str:
+    """The one stderr line of an exit-2 refusal."""
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert "Traceback" not in result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def snapshot(out: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file but the lock: mtime and bytes."""
+    return {
+        name: ((out / name).stat().st_mtime_ns, (out / name).read_bytes())
+        for name in sorted(os.listdir(out)) if name != ".batchgen.lock"
+    }
+
+
+def test_fingerprint_through_the_cli(crash: SimpleNamespace, tmp_path: Path) -> None:
+    prompts = make_prompts(8, seed=12, min_words=3, max_words=12)
+    sampling = {"n": 2, "max_tokens": 4, "temperature": 0.8, "seed": 3, "ignore_eos": True}
+    job = write_job(tmp_path, crash.model, prompts, sampling=sampling, engine={"block_size": 8})
+    out = tmp_path / "out"
+    # Two sequences at a time: rows finish one by one, so there are several parts.
+    run_cli("run", str(job), "--quiet", "--set", "output.commit_rows=4",
+            "--set", "engine.max_num_seqs=2")
+    first = read_results(out)
+    assert len(first) == 16 and len(manifest_of(out)["parts"]) > 1
+
+    # The same job again: nothing is generated, nothing is rewritten.
+    before = snapshot(out)
+    result = run_cli("run", str(job), "--quiet")
+    assert "nothing to do" in result.stderr
+    assert snapshot(out) == before
+    # A run killed after its last commit but before marking the folder finished: the next run
+    # only marks it and writes a report.
+    m = manifest_of(out)
+    (out / MANIFEST_NAME).write_text(json.dumps({**m, "finished": False}))
+    assert "nothing to do" in run_cli("run", str(job), "--quiet").stderr
+    assert manifest_of(out)["finished"] is True
+    report = json.loads((out / REPORT_NAME).read_text())
+    assert report["finished"] is True and report["rows"] == 0 and report["rows_done"] == 8
+    assert read_results(out) == first
+    before = snapshot(out)
+
+    # What decides the results differs: refused, the folder left as it was.
+    assert "sampling differs" in refusal(invoke("run", job, "--set", "sampling.temperature=0.5"))
+    assert "sampling differs" in refusal(invoke("run", job, "--set", "sampling.seed=4"))
+    other_model = tmp_path / "other-model"
+    shutil.copytree(crash.model, other_model)
+    config = json.loads((other_model / "config.json").read_text())
+    config["rms_norm_eps"] = config.get("rms_norm_eps", 1e-6) * 10
+    (other_model / "config.json").write_text(json.dumps(config))
+    assert "model differs" in refusal(invoke("run", job, "--set", f"model={other_model}"))
+    other_input = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"id": list(range(8)), "prompt": prompts[:7] + ["changed"]}),
+                   other_input)
+    assert "input differs" in refusal(invoke("run", job, "--set", f"input.path={other_input}"))
+    assert "input differs" in refusal(invoke("run", job, "--set", "input.id_column=null"))
+    line = refusal(invoke("run", job, "--set", "sampling.n=3", "--set", f"model={other_model}"))
+    assert "model, sampling differ" in line
+    assert snapshot(out) == before
+    print(f"\n[resume] refusal: {line}")
+
+    # Engine (and commit) settings may differ: drop the last part, resume with others.
+    last = manifest_of(out)["parts"][-1]
+    (out / last["name"]).unlink()
+    result = run_cli(
+        "run", str(job), "--quiet", "--set", "engine.block_size=4",
+        "--set", "engine.max_num_seqs=3", "--set", "engine.max_num_batched_tokens=24",
+        "--set", "output.commit_rows=1000",
+    )
+    assert f"batchgen: done: {last['rows']} rows" in result.stderr
+    assert read_results(out) == first
+    status = run_cli("status", str(out)).output
+    assert "state:         finished" in status and "8 of 8 rows" in status
+    assert "samples:       16 (0 errors)" in status
+
+    # --fresh starts over, also with another job.
+    result = run_cli("run", str(job), "--quiet", "--fresh", "--set", "sampling.seed=4")
+    assert "batchgen: done: 8 rows" in result.stderr
+    fresh = read_results(out)
+    assert [r["id"] for r in fresh] == [r["id"] for r in first]
+    assert [r["token_ids"] for r in fresh] != [r["token_ids"] for r in first]
+    assert manifest_of(out)["parts"][0]["name"] == "part-00000.parquet"
+    assert "sampling differs" in refusal(invoke("run", job))  # the folder now holds seed 4
+
+
+@pytest.mark.xfail(strict=True, reason="model identity hashes the safetensors header and file "
+                   "size only: new weights of the same shapes are not noticed (loader.py)")
+def test_fingerprint_notices_new_weights_of_the_same_shapes(crash, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    prompts = make_prompts(2, seed=13, min_words=3, max_words=6)
+    job = write_job(tmp_path, crash.model, prompts, sampling={"max_tokens": 2})
+    run_cli("run", str(job), "--quiet")
+    tuned = tmp_path / "tuned"
+    shutil.copytree(crash.model, tuned)
+    for path in tuned.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({k: v + 0.01 for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    assert "model differs" in refusal(invoke("run", job, "--set", f"model={tuned}"))
