@@ -305,6 +305,10 @@ class JobRun:
         self.quiet = quiet
         self.info = read_model_info(job.model)
         self.dataset = InputDataset(job.input)
+        # Settings that can still fail are checked before the output folder is touched (the
+        # number of KV blocks is planned again once the model is loaded and memory is known).
+        self.place = resolve_placement(job)
+        plan_num_blocks(job, self.info, self.place)
         fp = fingerprint(job, model_identity(job.model), self.dataset.identity)
         self.folder = OutputFolder.open(job.output.path, fp, fresh)
         try:
@@ -328,7 +332,6 @@ class JobRun:
         if self.nothing_to_do:
             return
         self.tokenizer = load_tokenizer(job.model)
-        self.place = resolve_placement(job)
         self.params = sampling_params(job)
         attention = make_attention_backend(self.place.backend)
         model, _ = load_model(job.model, self.place.device, self.place.dtype, attention)
@@ -593,7 +596,7 @@ class JobRun:
                 bar.update(self.totals.rows - rows_before)
                 elapsed = time.perf_counter() - start
                 bar.set_postfix(
-                    tok_s=f"{self.totals.output_tokens / max(elapsed, 1e-9):.0f}",
+                    tok_s=f"{self.engine.stats.sampled_tokens / max(elapsed, 1e-9):.0f}",
                     cache=f"{100 * self.totals.hit_rate():.0f}%",
                     refresh=False,
                 )

@@ -444,8 +444,6 @@ def test_fingerprint_through_the_cli(crash: SimpleNamespace, tmp_path: Path) -> 
     assert "sampling differs" in refusal(invoke("run", job))  # the folder now holds seed 4
 
 
-@pytest.mark.xfail(strict=True, reason="model identity hashes the safetensors header and file "
-                   "size only: new weights of the same shapes are not noticed (loader.py)")
 def test_fingerprint_notices_new_weights_of_the_same_shapes(crash, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
