@@ -21,7 +21,7 @@ $(DEMO)/model/config.json: | setup
 	$(BIN)/python scripts/make_tiny_model.py $(DEMO)/model --layers 4 --hidden 256 --heads 4 --kv-heads 2 --intermediate 768 --vocab 2048
 
 $(DEMO)/prompts.parquet: | setup
-	$(BIN)/python scripts/make_demo_data.py $@
+	$(BIN)/python scripts/make_demo_data.py $(DEMO)
 
 demo: setup $(DEMO)/model/config.json $(DEMO)/prompts.parquet
 	$(BIN)/batchgen run jobs/quickstart.yaml --fresh

@@ -242,6 +242,33 @@ class EngineConfig(_Section):
         return value
 
 
+class ExecutorConfig(_Section):
+    """``executor:``: where the engines run. Not in the fingerprint: a job may be resumed with
+    another executor (the results do not depend on it).
+
+    ``kind: local`` (the default) runs one engine in this process. ``kind: ray`` runs
+    ``num_workers`` engines as Ray actors (needs ``pip install 'batchgen[ray]'``); this process
+    plans the shards (rows sharing a prefix go to one worker) and alone writes the output folder.
+    The other keys apply to ``kind: ray`` only:
+
+    - ``address``: null starts a local Ray cluster for the job; ``auto`` joins the cluster
+      started with ``ray start`` on this machine; ``ray://host:10001`` joins a remote one.
+    - ``num_workers``: null means as many as the cluster holds (its GPUs / ``num_gpus`` when
+      workers use GPUs, else its CPUs / ``num_cpus``).
+    - ``num_cpus``, ``num_gpus``: Ray resources per worker; ``num_gpus`` null means 1 when the
+      cluster has GPUs, else 0.
+    - ``max_restarts``: how often Ray restarts a worker that died (its unfinished rows are run
+      again by the restarted worker) before the job fails.
+    """
+
+    kind: Literal["local", "ray"] = "local"
+    address: str | None = Field(default=None, min_length=1)
+    num_workers: int | None = Field(default=None, ge=1)
+    num_cpus: Float = Field(default=1.0, ge=0)
+    num_gpus: Float | None = Field(default=None, ge=0)
+    max_restarts: int = Field(default=3, ge=0)
+
+
 class Job(_Section):
     """A whole job file. ``model``, ``input.path`` and ``output.path`` are required.
 
@@ -253,6 +280,7 @@ class Job(_Section):
     output: OutputConfig
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig()
+    executor: ExecutorConfig = ExecutorConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -260,7 +288,8 @@ class Job(_Section):
         # "sampling:" with every child commented out parses as null: mean the defaults.
         if isinstance(data, Mapping):
             data = {
-                k: ({} if v is None and k in ("sampling", "engine") else v) for k, v in data.items()
+                k: ({} if v is None and k in ("sampling", "engine", "executor") else v)
+                for k, v in data.items()
             }
         return data
 
@@ -481,8 +510,8 @@ def fingerprint(job: Job, model_identity: str, input_identity: str) -> dict[str,
     """What decides a job's results, as short hashes under ``model``, ``input``, ``sampling``.
 
     ``model_identity`` (config, weights, tokenizer) and ``input_identity`` (the files) come from
-    whoever inspected them; the input column settings are added here. Engine and output settings
-    are deliberately left out: they change how, not what, so a job may resume with others.
+    whoever inspected them; the input column settings are added here. Engine, executor and output
+    settings are deliberately left out: they change how, not what, so a job may resume with others.
     """
     columns = {
         "prompt_column": job.input.prompt_column,
@@ -510,6 +539,7 @@ def describe_fingerprint_mismatch(old: Mapping[str, str], new: Mapping[str, str]
 
 __all__ = [
     "EngineConfig",
+    "ExecutorConfig",
     "InputConfig",
     "Job",
     "OutputConfig",

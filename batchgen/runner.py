@@ -167,6 +167,20 @@ def validate(job: Job) -> str:
     check_model(job.model)  # weights and tokenizer files, from their headers
     output = _check_output_folder(job, dataset)
     load_tokenizer(job.model)
+    if job.executor.kind == "ray":
+        _ray_executor()  # Ray is installed
+        return "\n".join(
+            [
+                f"model:    {job.model} ({info.architecture}, {info.num_layers} layers, "
+                f"{info.num_heads} heads / {info.num_kv_heads} KV heads, head_dim {info.head_dim})",
+                f"input:    {dataset.num_rows} rows from {job.input.path}",
+                f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
+                f"max_tokens={job.sampling.max_tokens})",
+                f"output:   {job.output.path} ({output})",
+                _executor_plan(job),
+                "device, KV cache, max_model_len: decided by each worker when it starts",
+            ]
+        )
     place = resolve_placement(job)
     num_blocks = plan_num_blocks(job, info, place)
     per_token = info.kv_bytes_per_token(place.dtype)
@@ -186,8 +200,40 @@ def validate(job: Job) -> str:
         f"KV cache: {per_token} bytes/token, {num_blocks} blocks x {bs} tokens = "
         f"{num_blocks * bs} tokens ({num_blocks * bs * per_token / 2**20:.1f} MiB)",
         f"max_model_len: {length}",
+        _executor_plan(job),
     ]
     return "\n".join(lines)
+
+
+def _executor_plan(job: Job) -> str:
+    """The ``executor:`` line of the plan."""
+    ex = job.executor
+    if ex.kind == "local":
+        return "executor: local (one engine in this process)"
+    where = "a local Ray cluster started for the job" if ex.address is None else ex.address
+    workers = (
+        f"{ex.num_workers} workers" if ex.num_workers is not None else "one worker per "
+        + ("GPU" if ex.num_gpus is None or ex.num_gpus > 0 else f"{ex.num_cpus:g} CPUs")
+        + " of the cluster"
+    )
+    gpus = "1 if the cluster has GPUs" if ex.num_gpus is None else f"{ex.num_gpus:g}"
+    return (
+        f"executor: ray on {where}: {workers}, each num_cpus={ex.num_cpus:g}, "
+        f"num_gpus={gpus}, max_restarts={ex.max_restarts}"
+    )
+
+
+def _ray_executor() -> Any:
+    """The Ray executor module; a JobError if Ray is not installed."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise JobError(
+            "executor.kind is 'ray' but Ray is not installed: pip install 'batchgen[ray]'"
+        ) from None
+    from batchgen import ray_executor
+
+    return ray_executor
 
 
 def _check_output_folder(job: Job, dataset: InputDataset) -> str:

@@ -1,6 +1,10 @@
-"""Write the quick-start prompts: rows that share a long system prompt, with a `topic` column.
+"""Write the example jobs' input files (jobs/*.yaml read them from demo/).
 
-Usage: python scripts/make_demo_data.py demo/prompts.parquet [--rows 200]
+- prompts.parquet: rows sharing a long system prompt, with a `topic` column (quickstart.yaml)
+- fewshot.parquet: rows built from a handful of few-shot templates, shuffled (fewshot.yaml)
+- chat.parquet:    chat conversations in a `messages` column with string ids (chat.yaml)
+
+Usage: python scripts/make_demo_data.py demo [--rows 200]
 """
 
 from __future__ import annotations
@@ -17,25 +21,62 @@ from batchgen.tiny_model import make_words
 TOPICS = ("weather", "history", "cooking", "travel")
 
 
+def words(n: int, seed: int) -> str:
+    return " ".join(make_words(n, seed=seed))
+
+
+def shared_system_prompt(rows: int, rng: random.Random) -> pa.Table:
+    system = "You are a helpful assistant. " + words(120, seed=1)
+    topics = [rng.choice(TOPICS) for _ in range(rows)]
+    prompts = [
+        f"{system}\nTopic: {t}\nQuestion: {words(rng.randint(5, 30), seed=100 + i)}\nAnswer:"
+        for i, t in enumerate(topics)
+    ]
+    return pa.table({"id": list(range(rows)), "topic": topics, "prompt": prompts})
+
+
+def few_shot(rows: int, rng: random.Random, num_templates: int = 4) -> pa.Table:
+    templates = []
+    for t in range(num_templates):
+        shots = "\n".join(
+            f"Q: {words(12, seed=1000 * t + s)}\nA: {words(20, seed=1000 * t + 500 + s)}"
+            for s in range(4)
+        )
+        templates.append(f"Answer like the examples.\n{shots}\nQ: ")
+    chosen = [rng.randrange(num_templates) for _ in range(rows)]
+    prompts = [
+        templates[t] + words(rng.randint(5, 20), seed=5000 + i) + "\nA:"
+        for i, t in enumerate(chosen)
+    ]
+    return pa.table({"id": list(range(rows)), "template": chosen, "prompt": prompts})
+
+
+def chat(rows: int, rng: random.Random) -> pa.Table:
+    system = {"role": "system", "content": "Be brief. " + words(40, seed=2)}
+    conversations = []
+    for i in range(rows):
+        turns = [system, {"role": "user", "content": words(rng.randint(4, 20), seed=9000 + i)}]
+        if rng.random() < 0.3:
+            turns += [
+                {"role": "assistant", "content": words(10, seed=9500 + i)},
+                {"role": "user", "content": words(6, seed=9800 + i)},
+            ]
+        conversations.append(turns)
+    return pa.table({"conversation_id": [f"conv-{i:04d}" for i in range(rows)],
+                     "messages": conversations})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("path", type=Path)
+    parser.add_argument("folder", type=Path)
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-
-    rng = random.Random(args.seed)
-    system = "You are a helpful assistant. " + " ".join(make_words(120, seed=args.seed))
-    ids, prompts, topics = [], [], []
-    for i in range(args.rows):
-        topic = rng.choice(TOPICS)
-        question = " ".join(make_words(rng.randint(5, 30), seed=args.seed * 7919 + i))
-        ids.append(i)
-        topics.append(topic)
-        prompts.append(f"{system}\nTopic: {topic}\nQuestion: {question}\nAnswer:")
-    args.path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"id": ids, "topic": topics, "prompt": prompts}), args.path)
-    print(f"wrote {args.rows} prompts to {args.path}")
+    args.folder.mkdir(parents=True, exist_ok=True)
+    for name, make in (("prompts", shared_system_prompt), ("fewshot", few_shot), ("chat", chat)):
+        table = make(args.rows, random.Random(args.seed))
+        pq.write_table(table, args.folder / f"{name}.parquet")
+        print(f"wrote {table.num_rows} rows to {args.folder / name}.parquet")
 
 
 if __name__ == "__main__":
