@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,12 +211,18 @@ def _executor_plan(job: Job) -> str:
     if ex.kind == "local":
         return "executor: local (one engine in this process)"
     where = "a local Ray cluster started for the job" if ex.address is None else ex.address
-    workers = (
-        f"{ex.num_workers} workers" if ex.num_workers is not None else "one worker per "
-        + ("GPU" if ex.num_gpus is None or ex.num_gpus > 0 else f"{ex.num_cpus:g} CPUs")
-        + " of the cluster"
-    )
-    gpus = "1 if the cluster has GPUs" if ex.num_gpus is None else f"{ex.num_gpus:g}"
+    if ex.num_workers is not None:
+        workers = f"{ex.num_workers} workers"
+    elif ex.num_gpus is None:
+        workers = (
+            "one worker per GPU of the cluster "
+            f"(per {ex.num_cpus:g} CPUs on a cluster without GPUs)"
+        )
+    elif ex.num_gpus > 0:
+        workers = f"one worker per {ex.num_gpus:g} GPUs of the cluster"
+    else:
+        workers = f"one worker per {ex.num_cpus:g} CPUs of the cluster"
+    gpus = "1 if the cluster has GPUs, else 0" if ex.num_gpus is None else f"{ex.num_gpus:g}"
     return (
         f"executor: ray on {where}: {workers}, each num_cpus={ex.num_cpus:g}, "
         f"num_gpus={gpus}, max_restarts={ex.max_restarts}"
@@ -283,6 +289,21 @@ def status(path: str | Path) -> str:
 
 # -- run ------------------------------------------------------------------------------------------
 
+# The n output rows (dicts keyed by output column) of one input row: what the writer commits
+# whole, and what a Ray worker hands back to the driver.
+RowGroup = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class EncodedRow:
+    """An input row with its prompt's token ids, or (``tokens`` None) why it cannot be generated.
+
+    ``tokens`` is any sequence of ints (the Ray executor ships them as a compact array)."""
+
+    row: InputRow
+    tokens: Sequence[int] | None
+    problem: str | None = None
+
 
 @dataclass
 class PendingRow:
@@ -299,6 +320,16 @@ class Totals:
     cached_prompt_tokens: int = 0
     output_tokens: int = 0
     errors: int = 0
+
+    def add(self, group: RowGroup) -> None:
+        """Count one finished input row (its n output rows)."""
+        self.rows += 1
+        self.samples += len(group)
+        for r in group:
+            self.prompt_tokens += r["num_prompt_tokens"]
+            self.cached_prompt_tokens += r["num_cached_tokens"]
+            self.output_tokens += r["num_output_tokens"]
+            self.errors += r["finish_reason"] == FinishReason.ERROR.value
 
     def hit_rate(self) -> float:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -343,74 +374,17 @@ class _Signals:
         os._exit(130)
 
 
-class JobRun:
-    """State of one `batchgen run`: the engine, the rows in flight and the writer."""
+class PromptEncoder:
+    """Input rows -> token ids (plain prompts, or chat messages through the chat template), or
+    the reason a row cannot be generated. Prompt length against max_model_len is checked later,
+    by the :class:`RowGenerator` that knows its KV cache."""
 
-    def __init__(self, job: Job, fresh: bool, quiet: bool) -> None:
+    def __init__(self, job: Job, tokenizer: Any) -> None:
         self.job = job
-        self.quiet = quiet
-        self.info = read_model_info(job.model)
-        self.dataset = InputDataset(job.input)
-        # Settings that can still fail are checked before the output folder is touched (the
-        # number of KV blocks is planned again once the model is loaded and memory is known).
-        self.place = resolve_placement(job)
-        plan_num_blocks(job, self.info, self.place)
-        fp = fingerprint(job, model_identity(job.model), self.dataset.identity)
-        self.folder = OutputFolder.open(job.output.path, fp, fresh)
-        try:
-            self._start(job)
-        except BaseException:
-            # Release the folder's lock now: a caller that keeps the exception (and with it this
-            # half-built object) must not keep a later run on the same folder out.
-            self.folder.close()
-            raise
+        self.tokenizer = tokenizer
 
-    def _start(self, job: Job) -> None:
-        """The rest of __init__, once the output folder is open and locked."""
-        self.folder.set_total_rows(self.dataset.num_rows)
-        self.done_ids = self.folder.completed_ids()
-        self.pending: dict[int, PendingRow] = {}
-        self.next_handle = 0
-        self.totals = Totals()
-        # Every row already committed (the fingerprint says they are this input's rows): there
-        # is nothing to generate, so the tokenizer, the model and the engine are not loaded.
-        self.nothing_to_do = len(self.done_ids) >= self.dataset.num_rows
-        if self.nothing_to_do:
-            return
-        self.tokenizer = load_tokenizer(job.model)
-        self.params = sampling_params(job)
-        attention = make_attention_backend(self.place.backend)
-        model, _ = load_model(job.model, self.place.device, self.place.dtype, attention)
-        num_blocks = plan_num_blocks(job, self.info, self.place)
-        self.max_model_len = max_model_len(job, self.info, num_blocks)
-        eng = job.engine
-        self.engine = Engine(
-            model,
-            self.info,
-            EngineConfig(
-                block_size=eng.block_size,
-                num_blocks=num_blocks,
-                max_num_seqs=eng.max_num_seqs,
-                max_num_batched_tokens=eng.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                prefix_caching=eng.prefix_caching,
-                attention_backend=self.place.backend,
-            ),
-            device=self.place.device,
-            dtype=self.place.dtype,
-            detokenize=self._decode if self.params.stop else None,
-        )
-        schema = output_schema(self.dataset.id_type, self.dataset.keep_fields, self.params.logprobs)
-        self.writer = self.folder.writer(schema, job.output.commit_rows, job.output.commit_seconds)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    # -- feeding ------------------------------------------------------------------------------
-
-    def _tokenize(self, rows: list[InputRow]) -> list[tuple[InputRow, list[int] | None, str | None]]:
-        """Token ids of each row, or the reason the row cannot be generated."""
-        out: list[tuple[InputRow, list[int] | None, str | None]] = []
+    def encode(self, rows: list[InputRow]) -> list[EncodedRow]:
+        out: list[EncodedRow] = []
         plain = [r for r in rows if r.messages is None and r.prompt]
         encoded: dict[int, list[int]] = {}
         if plain:
@@ -420,15 +394,6 @@ class JobRun:
             except Exception:  # noqa: BLE001 - fall back to rows one by one to name the culprit
                 encoded = {}
         column = self.job.input.messages_column or self.job.input.prompt_column
-        # When the KV cache, not the model or engine.max_model_len, sets the limit, say so.
-        eng = self.job.engine
-        limits = [self.info.max_model_len, eng.max_model_len or self.info.max_model_len]
-        knob = "kv_cache_blocks" if eng.kv_cache_blocks is not None else "kv_cache_memory"
-        cause = (
-            f" (all the KV cache holds; raise engine.{knob})"
-            if self.max_model_len < min(limits)
-            else ""
-        )
         for r in rows:
             try:
                 if r.problem is not None:
@@ -445,17 +410,12 @@ class JobRun:
                     tokens = list(self.tokenizer(r.prompt, add_special_tokens=True)["input_ids"])
                 if not tokens:
                     raise RowProblem("the prompt encodes to zero tokens")
-                if len(tokens) >= self.max_model_len:
-                    raise RowProblem(
-                        f"prompt has {len(tokens)} tokens; max_model_len is {self.max_model_len}"
-                        f"{cause}, which leaves no room for output"
-                    )
-                out.append((r, tokens, None))
+                out.append(EncodedRow(r, tokens))
             except RowProblem as e:
-                out.append((r, None, str(e)))
+                out.append(EncodedRow(r, None, str(e)))
             except Exception as e:  # noqa: BLE001 - a tokenizer failure is the row's problem
                 problem = RowProblem.of("the tokenizer cannot encode the prompt", e)
-                out.append((r, None, str(problem)))
+                out.append(EncodedRow(r, None, str(problem)))
         return out
 
     def _render_messages(self, row: InputRow, column: str) -> list[int]:
@@ -482,16 +442,107 @@ class JobRun:
             raise RowProblem.of(f"the chat template cannot render {column}", e) from e
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def feed(self, rows: list[InputRow]) -> None:
-        """Queue one window of rows: error rows are written at once, the rest become requests in
-        depth-first trie order, identical prompts folded into one request."""
+
+def _base_row(row: InputRow, sample_index: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": row.id, "sample_index": sample_index}
+    out.update(row.keep)
+    return out
+
+
+def error_group(row: InputRow, problem: str, params: SamplingParams) -> RowGroup:
+    """The n ``error`` output rows of an input row that cannot be generated."""
+    rows = []
+    for k in range(params.n):
+        r = _base_row(row, k)
+        r.update(
+            text="", token_ids=[], finish_reason=FinishReason.ERROR.value, error=problem,
+            num_prompt_tokens=0, num_cached_tokens=0, num_output_tokens=0,
+        )
+        if params.logprobs:
+            r.update(cumulative_logprob=None, token_logprobs=None)
+        rows.append(r)
+    return rows
+
+
+class RowGenerator:
+    """One engine on one model: encoded rows in, finished input rows out (all n output rows of a
+    row at once, as :data:`RowGroup`). The local executor runs one in the job's process; each
+    Ray worker runs one of its own.
+
+    Usage: :meth:`feed` rows (rows that cannot run come back at once as error groups), then
+    :meth:`step` while :meth:`has_work`; each step returns the rows that finished in it.
+    """
+
+    def __init__(self, job: Job, info: ModelInfo, place: Placement, tokenizer: Any) -> None:
+        self.job = job
+        self.info = info
+        self.place = place
+        self.tokenizer = tokenizer
+        self.params = sampling_params(job)
+        self.pending: dict[int, PendingRow] = {}
+        self.next_handle = 0
+        attention = make_attention_backend(place.backend)
+        model, _ = load_model(job.model, place.device, place.dtype, attention)
+        num_blocks = plan_num_blocks(job, info, place)
+        self.max_model_len = max_model_len(job, info, num_blocks)
+        eng = job.engine
+        self.engine = Engine(
+            model,
+            info,
+            EngineConfig(
+                block_size=eng.block_size,
+                num_blocks=num_blocks,
+                max_num_seqs=eng.max_num_seqs,
+                max_num_batched_tokens=eng.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                prefix_caching=eng.prefix_caching,
+                attention_backend=place.backend,
+            ),
+            device=place.device,
+            dtype=place.dtype,
+            detokenize=self._decode if self.params.stop else None,
+        )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    @property
+    def num_waiting_targets(self) -> int:
+        return self.engine.num_waiting_targets
+
+    def _too_long(self, num_tokens: int) -> str:
+        # When the KV cache, not the model or engine.max_model_len, sets the limit, say so.
+        eng = self.job.engine
+        limits = [self.info.max_model_len, eng.max_model_len or self.info.max_model_len]
+        knob = "kv_cache_blocks" if eng.kv_cache_blocks is not None else "kv_cache_memory"
+        cause = (
+            f" (all the KV cache holds; raise engine.{knob})"
+            if self.max_model_len < min(limits)
+            else ""
+        )
+        return (
+            f"prompt has {num_tokens} tokens; max_model_len is {self.max_model_len}{cause}, "
+            "which leaves no room for output"
+        )
+
+    def feed(self, encoded: Sequence[EncodedRow]) -> list[RowGroup]:
+        """Queue rows: the rest become requests in depth-first trie order, identical prompts
+        folded into one request. Returns the error groups of rows that cannot run."""
+        errors: list[RowGroup] = []
         groups: dict[tuple[int, ...], list[SampleTarget]] = {}
         n = self.params.n
-        for row, tokens, problem in self._tokenize(rows):
+        for item in encoded:
+            row, tokens = item.row, item.tokens
             handle = self.next_handle
             self.next_handle += 1
             if tokens is None:
-                self._write_error_row(row, problem or "unknown error")
+                errors.append(error_group(row, item.problem or "unknown error", self.params))
+                continue
+            if len(tokens) >= self.max_model_len:
+                errors.append(error_group(row, self._too_long(len(tokens)), self.params))
                 continue
             self.pending[handle] = PendingRow(row, len(tokens), [None] * n)
             targets = groups.setdefault(tuple(tokens), [])
@@ -499,37 +550,18 @@ class JobRun:
                 targets.append(SampleTarget(handle, k, rng_key(self.params.seed, row.id, k)))
         for tokens in sorted(groups):
             self.engine.add(Request(tokens, self.params, tuple(groups[tokens])))
+        return errors
 
-    # -- results ------------------------------------------------------------------------------
-
-    def _base_row(self, row: InputRow, sample_index: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": row.id, "sample_index": sample_index}
-        out.update(row.keep)
-        return out
-
-    def _write_error_row(self, row: InputRow, problem: str) -> None:
-        rows = []
-        for k in range(self.params.n):
-            r = self._base_row(row, k)
-            r.update(
-                text="", token_ids=[], finish_reason=FinishReason.ERROR.value, error=problem,
-                num_prompt_tokens=0, num_cached_tokens=0, num_output_tokens=0,
-            )
-            if self.params.logprobs:
-                r.update(cumulative_logprob=None, token_logprobs=None)
-            rows.append(r)
-        self.writer.add_row_group(rows)
-        self.totals.rows += 1
-        self.totals.samples += self.params.n
-        self.totals.errors += self.params.n  # error output rows, as the manifest counts them
-
-    def collect(self, results: list[SampleResult]) -> None:
-        for res in results:
+    def step(self) -> list[RowGroup]:
+        """One engine step; the input rows whose every sample has finished."""
+        done: list[RowGroup] = []
+        for res in self.engine.step():
             pending = self.pending[res.target.row]
             pending.samples[res.target.sample_index] = res
             if all(s is not None for s in pending.samples):
                 del self.pending[res.target.row]
-                self._write_row(pending)
+                done.append(self._group(pending))
+        return done
 
     def _text(self, res: SampleResult) -> str:
         if res.text is not None:
@@ -539,11 +571,11 @@ class JobRun:
             ids = ids[:-1]
         return self._decode(ids)
 
-    def _write_row(self, pending: PendingRow) -> None:
+    def _group(self, pending: PendingRow) -> RowGroup:
         rows = []
         for res in pending.samples:
             assert res is not None
-            r = self._base_row(pending.row, res.target.sample_index)
+            r = _base_row(pending.row, res.target.sample_index)
             r.update(
                 text=self._text(res),
                 token_ids=res.token_ids,
@@ -557,17 +589,102 @@ class JobRun:
                 lps = res.token_logprobs or []
                 r.update(cumulative_logprob=float(math.fsum(lps)), token_logprobs=lps)
             rows.append(r)
-            self.totals.samples += 1
-            self.totals.prompt_tokens += res.num_prompt_tokens
-            self.totals.cached_prompt_tokens += res.num_cached_tokens
-            self.totals.output_tokens += len(res.token_ids)
-        self.totals.rows += 1
-        self.writer.add_row_group(rows)
+        return rows
+
+    def report(self) -> dict[str, Any]:
+        """The engine's figures for ``_report.json``."""
+        stats = self.engine.stats
+        scheduler = self.engine.scheduler
+        return {
+            "preemptions": scheduler.num_preemptions,
+            "kv_blocks": self.engine.config.num_blocks,
+            "kv_block_size": self.engine.config.block_size,
+            "peak_kv_blocks_used": scheduler.peak_blocks_used,
+            "evicted_kv_blocks": scheduler.num_evicted_blocks,
+            "kv_waste": round(stats.waste, 4),
+            "engine_steps": stats.steps,
+            "device": str(self.place.device),
+            "dtype": str(self.place.dtype).removeprefix("torch."),
+            "attention_backend": self.place.backend,
+        }
+
+
+class JobRun:
+    """State of one `batchgen run`: the output folder and its writer, the totals, and the
+    executor: a :class:`RowGenerator` in this process (``executor.kind: local``) or a
+    :class:`~batchgen.ray_executor.RayDriver` over Ray workers (``kind: ray``)."""
+
+    def __init__(self, job: Job, fresh: bool, quiet: bool) -> None:
+        self.job = job
+        self.quiet = quiet
+        self.info = read_model_info(job.model)
+        self.dataset = InputDataset(job.input)
+        self.driver: Any = None  # the RayDriver with executor.kind: ray
+        # Settings that can still fail are checked before the output folder is touched (the
+        # number of KV blocks is planned again once the model is loaded and memory is known).
+        # With Ray, each worker checks its own placement when it starts.
+        if job.executor.kind == "ray":
+            _ray_executor()
+        else:
+            self.place = resolve_placement(job)
+            plan_num_blocks(job, self.info, self.place)
+        fp = fingerprint(job, model_identity(job.model), self.dataset.identity)
+        self.folder = OutputFolder.open(job.output.path, fp, fresh)
+        try:
+            self._start(job)
+        except BaseException:
+            # Release the folder's lock now: a caller that keeps the exception (and with it this
+            # half-built object) must not keep a later run on the same folder out.
+            self._close_driver()
+            self.folder.close()
+            raise
+
+    def _start(self, job: Job) -> None:
+        """The rest of __init__, once the output folder is open and locked."""
+        self.folder.set_total_rows(self.dataset.num_rows)
+        self.done_ids = self.folder.completed_ids()
+        self.totals = Totals()
+        # Every row already committed (the fingerprint says they are this input's rows): there
+        # is nothing to generate, so the tokenizer, the model and the engine are not loaded.
+        self.nothing_to_do = len(self.done_ids) >= self.dataset.num_rows
+        if self.nothing_to_do:
+            return
+        self.tokenizer = load_tokenizer(job.model)
+        self.encoder = PromptEncoder(job, self.tokenizer)
+        self.params = sampling_params(job)
+        schema = output_schema(self.dataset.id_type, self.dataset.keep_fields, self.params.logprobs)
+        # Checked before any model is loaded: results with other columns cannot be resumed.
+        self.folder.check_schema(schema)
+        if job.executor.kind == "ray":
+            self.driver = _ray_executor().RayDriver(self)
+        else:
+            self.generator = RowGenerator(job, self.info, self.place, self.tokenizer)
+        self.writer = self.folder.writer(schema, job.output.commit_rows, job.output.commit_seconds)
+
+    def _close_driver(self) -> None:
+        driver, self.driver = self.driver, None
+        if driver is not None:
+            driver.close()
+
+    # -- feeding and results (the local executor) ---------------------------------------------
+
+    def add(self, group: RowGroup) -> None:
+        """Buffer one finished input row for the next commit."""
+        self.writer.add_row_group(group)
+        self.totals.add(group)
+
+    def feed(self, rows: list[InputRow]) -> None:
+        """Queue one window of rows: error rows are written at once, the rest become requests in
+        depth-first trie order, identical prompts folded into one request."""
+        for group in self.generator.feed(self.encoder.encode(rows)):
+            self.add(group)
+
+    def windows(self, window_rows: int | None = None) -> Iterator[list[InputRow]]:
+        return self.dataset.iter_windows(
+            window_rows or self.job.input.window_rows, skip_ids=self.done_ids
+        )
 
     # -- the loop -----------------------------------------------------------------------------
-
-    def windows(self) -> Iterator[list[InputRow]]:
-        return self.dataset.iter_windows(self.job.input.window_rows, skip_ids=self.done_ids)
 
     def run(self) -> dict[str, Any]:
         """Generate the missing rows; commit as rows finish; write the report.
@@ -583,6 +700,7 @@ class JobRun:
             report = self._nothing_to_do() if self.nothing_to_do else self._generate(signals)
         finally:
             signals.restore()
+            self._close_driver()
             self.folder.close()
         if not report["finished"]:
             interrupted = Interrupted(
@@ -613,41 +731,12 @@ class JobRun:
             total=self.dataset.num_rows, initial=len(self.done_ids), unit="row",
             disable=self.quiet, file=sys.stderr, dynamic_ncols=True,
         )
-        windows = self.windows()
-        exhausted = False
-        complete = False
-        # Keep enough queued for full batches; read the next window only when the queue runs low.
-        low_water = 2 * self.job.engine.max_num_seqs
         try:
-            while not signals.stop:
-                while (
-                    not exhausted
-                    and not signals.stop
-                    and self.engine.num_waiting_targets < low_water
-                ):
-                    window = next(windows, None)
-                    if window is None:
-                        exhausted = True
-                    else:
-                        rows_before = self.totals.rows
-                        self.feed(window)
-                        bar.update(self.totals.rows - rows_before)
-                if signals.stop:
-                    break
-                if not self.engine.has_work():
-                    complete = True  # every window was read and every request has finished
-                    break
-                rows_before = self.totals.rows
-                self.collect(self.engine.step())
-                bar.update(self.totals.rows - rows_before)
-                elapsed = time.perf_counter() - start
-                bar.set_postfix(
-                    tok_s=f"{self.engine.stats.sampled_tokens / max(elapsed, 1e-9):.0f}",
-                    cache=f"{100 * self.totals.hit_rate():.0f}%",
-                    refresh=False,
-                )
-                self.writer.maybe_commit()
-            # Rows still in the engine are dropped unfinished; the next run generates them.
+            if self.driver is not None:
+                complete = self.driver.run(signals, bar, start)
+            else:
+                complete = self._run_local(signals, bar, start)
+            # Rows still in an engine are dropped unfinished; the next run generates them.
             self.writer.commit()
         finally:
             bar.close()
@@ -658,6 +747,39 @@ class JobRun:
         self.folder.write_report(report)
         print(self.summary(report), file=sys.stderr)
         return report
+
+    def _run_local(self, signals: _Signals, bar: tqdm, start: float) -> bool:
+        """Feed windows to the engine in this process and step it; True when every row ran."""
+        windows = self.windows()
+        exhausted = False
+        # Keep enough queued for full batches; read the next window only when the queue runs low.
+        low_water = 2 * self.job.engine.max_num_seqs
+        gen = self.generator
+        while not signals.stop:
+            while not exhausted and not signals.stop and gen.num_waiting_targets < low_water:
+                window = next(windows, None)
+                if window is None:
+                    exhausted = True
+                else:
+                    rows_before = self.totals.rows
+                    self.feed(window)
+                    bar.update(self.totals.rows - rows_before)
+            if signals.stop:
+                break
+            if not gen.has_work():
+                return True  # every window was read and every request has finished
+            rows_before = self.totals.rows
+            for group in gen.step():
+                self.add(group)
+            bar.update(self.totals.rows - rows_before)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(
+                tok_s=f"{gen.engine.stats.sampled_tokens / max(elapsed, 1e-9):.0f}",
+                cache=f"{100 * self.totals.hit_rate():.0f}%",
+                refresh=False,
+            )
+            self.writer.maybe_commit()
+        return False
 
     def report(self, elapsed: float, finished: bool) -> dict[str, Any]:
         """This run's figures (``rows``, tokens, speed: what this run generated), plus
@@ -679,30 +801,23 @@ class JobRun:
             "output_tokens_per_s": round(t.output_tokens / elapsed, 2) if elapsed > 0 else 0.0,
             "preemptions": 0,
             "errors": t.errors,
+            "executor": self.job.executor.kind,
         }
         if self.nothing_to_do:
             return report  # no engine was built
-        stats = self.engine.stats
-        report.update(
-            preemptions=self.engine.scheduler.num_preemptions,
-            kv_blocks=self.engine.config.num_blocks,
-            kv_block_size=self.engine.config.block_size,
-            peak_kv_blocks_used=self.engine.scheduler.peak_blocks_used,
-            evicted_kv_blocks=self.engine.scheduler.num_evicted_blocks,
-            kv_waste=round(stats.waste, 4),
-            engine_steps=stats.steps,
-            device=str(self.place.device),
-            dtype=str(self.place.dtype).removeprefix("torch."),
-            attention_backend=self.place.backend,
-        )
+        if self.driver is not None:
+            report.update(self.driver.report())
+        else:
+            report.update(self.generator.report())
         return report
 
     @staticmethod
     def summary(r: dict[str, Any]) -> str:
         state = "done" if r["finished"] else "interrupted"
+        workers = f" on {len(r['workers'])} Ray workers" if r.get("workers") else ""
         return (
             f"batchgen: {state}: {r['rows']} rows, {r['samples']} samples, "
-            f"{r['output_tokens']} output tokens in {r['elapsed_s']:.1f}s "
+            f"{r['output_tokens']} output tokens in {r['elapsed_s']:.1f}s{workers} "
             f"({r['output_tokens_per_s']:.0f} tok/s), prefix cache hit "
             f"{100 * r['cache_hit_rate']:.0f}%, {r['preemptions']} preemptions, "
             f"{r['errors']} errors"

@@ -261,7 +261,10 @@ def run_batchgen(w: Workload, model: Path, data: Path, out: Path, args: argparse
     exe = Path(sys.executable).parent / "batchgen"
     cmd = [str(exe) if exe.exists() else "batchgen", "run", str(job_path), "--fresh", "--quiet"]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t
     (out / "stderr.log").write_text(proc.stderr)
     if proc.returncode != 0:
@@ -404,10 +407,11 @@ def run_vllm(w: Workload, model: Path, data: Path, out: Path, args: argparse.Nam
     spec_path.write_text(json.dumps(spec))
     (out / "result.json").unlink(missing_ok=True)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
-    if args.vllm_omp_threads:
-        # vLLM-CPU otherwise keeps one core for its front end: "Reducing Torch threads from 2
+    threads = args.vllm_omp_threads or args.threads
+    if threads:
+        # Without it vLLM-CPU keeps one core for its front end: "Reducing Torch threads from 2
         # to 1 for serving" on a 2-core machine.
-        env["OMP_NUM_THREADS"] = str(args.vllm_omp_threads)
+        env["OMP_NUM_THREADS"] = str(threads)
     cmd = [
         str(VLLM_VENV / "bin" / "python"),
         str(Path(__file__).resolve()),
@@ -569,6 +573,17 @@ def print_table(results: list[dict], mm: dict) -> str:
     return "\n".join(lines)
 
 
+def _git_state() -> dict[str, Any]:
+    """The commit measured and whether the tree had local changes (the bench runs the working
+    tree, not the commit)."""
+
+    def git(*a: str) -> str:
+        r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    return {"head": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "-uno")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="A,B,C", help="comma-separated subset of A,B,C")
@@ -588,6 +603,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="default: OUT/bench.json")
     parser.add_argument("--vllm-timeout", type=int, default=3600, help="seconds per vLLM worker")
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="compute threads for every system and the matmul-rate probe (OMP_NUM_THREADS for "
+        "batchgen and vLLM, torch.set_num_threads here); default: each one's own default",
+    )
+    parser.add_argument(
         "--vllm-omp-threads", type=int, default=None, help="OMP_NUM_THREADS for vLLM's worker"
     )
     parser.add_argument("--vllm-worker", help=argparse.SUPPRESS)
@@ -599,6 +621,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
+    git_start = _git_state()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out: Path = args.out.resolve()
     names = [x.strip().upper() for x in args.workloads.split(",") if x.strip()]
     model = ensure_model(out / "model")
@@ -701,6 +726,8 @@ def main() -> None:
     table = print_table(results, mm)
     print()
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    dirty = " (+ local changes)" if git_start["dirty"] else ""
+    print(f"batchgen tree: {git_start['head'][:10]}{dirty}")
     print(table)
     doc = {
         "command": sys.argv,
@@ -711,6 +738,7 @@ def main() -> None:
             "torch": torch.__version__,
             "torch_threads": threads,
         },
+        "git": {"start": git_start, "end": _git_state()},
         "model": {**MODEL_SPEC, "matmul_params": matmul_params(cfg)},
         "temperature": args.temperature,
         "seed": args.seed,

@@ -6,15 +6,15 @@ Python loop over rows for the maths), so it runs the same on CPU and CUDA.
 Reproducibility. A sample's random stream is named by a 63-bit key (``rng_key``: seed, row id and
 sample index). The noise for the token at ``position`` is a counter-based hash of (key, position,
 vocab id): it does not depend on what else is in the batch, on the order of rows, or on how many
-steps ran before, so a sample resumed after an interruption draws the same tokens. The draw is
-inverse-CDF sampling with one uniform per row (hashed from key and position): the first token whose
-cumulative probability exceeds ``u``. One hash per row instead of one per vocabulary entry keeps
-the draw cheap on a CPU; filtered-out tokens (``p_i = 0``) can never be picked.
+steps ran before, so a sample resumed after an interruption draws the same tokens. The draw is an
+exponential race (the Gumbel-max trick in another form): ``argmax_i p_i / E_i`` with independent
+``E_i ~ Exp(1)`` picks token ``i`` with probability ``p_i``; it needs no cumulative sum over the
+vocabulary, and filtered-out tokens (``p_i = 0``) simply never win.
 
 Filtering without sorting the vocabulary. Top-k, top-p and min-p each keep a prefix of the row in
 the order (probability descending, vocab id ascending): a total order, so ties are broken the same
 way everywhere. The filtered path ranks only a candidate prefix that provably contains every token
-that can survive (``topk`` on a tie-free integer key), and draws among those candidates only.
+that can survive (``topk`` on a tie-free integer key), and hashes noise only for those candidates.
 
 Row-wise invariance. A row's result never depends on the other rows: the maths uses elementwise
 ops, row kernels (``softmax``, ``log_softmax``), exact reductions (``argmax``, ``amax``, integer
@@ -134,7 +134,7 @@ def _uniform_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
     # 48 random bits as hi * 2**-24 + lo * 2**-48. Each half is a 24-bit integer (exact in
     # float32) and the scalings are powers of two, so the only rounding is one IEEE add: the result
     # is bit-identical on every device and code path, and small values keep full relative
-    # precision.
+    # precision (they decide the rare low-probability tokens in the race).
     # (int64 -> int32 -> float32 is exact here and much faster on CPU than int64 -> float32.)
     torch.bitwise_right_shift(z, 40, out=tmp)
     u = tmp.bitwise_and_(_LOW24).to(torch.int32).to(torch.float32).mul_(2.0**-24)  # [S, K]
@@ -152,6 +152,15 @@ def uniform_noise(rng_key: Tensor, position: Tensor, vocab_size: int) -> Tensor:
     """
     ids = torch.arange(vocab_size, dtype=torch.int64, device=rng_key.device)[None, :]  # [1, V]
     return _uniform_at(rng_key, position, ids)
+
+
+def _exponential_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
+    """Exp(1) variates for the given vocab ids, [S, K] float32 (positive, finite).
+
+    ``E = -log(1 - u)``: the same law as ``-log(u)``, but small ``E`` (the winners of the race)
+    come from small ``u``, where float32 has the most precision.
+    """
+    return _uniform_at(rng_key, position, ids).neg_().log1p_().neg_()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,25 +407,11 @@ _ID_BITS = 31  # vocab ids (and vocab sizes) below 2**31
 _ID_MASK = (1 << _ID_BITS) - 1
 
 
-def _pick(weights: Tensor, rng_key: Tensor, position: Tensor) -> Tensor:
-    """Index drawn in proportion to non-negative ``weights`` [R, W] -> [R] int64.
-
-    Inverse-CDF sampling with ONE uniform per row, hashed from (rng_key, position): the first
-    index whose cumulative weight exceeds ``u * total``. ``cumsum`` runs along the row only, so a
-    row's draw does not depend on the batch. The target is kept strictly below the total, so the
-    index found has ``cum[i] > cum[i-1]``: a zero-weight entry is never picked.
-    """
-    cum = weights.cumsum(dim=-1)  # [R, W]
-    total = cum[:, -1:]  # [R, 1]
-    zero = torch.zeros(weights.shape[0], 1, dtype=torch.int64, device=weights.device)
-    u = _uniform_at(rng_key, position, zero)  # [R, 1] in (0, 1)
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cum, target, right=True).squeeze(1)  # [R]
-
-
 def _draw_plain(scaled: Tensor, rng_key: Tensor, position: Tensor) -> Tensor:
     """Draw from softmax(scaled) over the whole vocabulary: [R, V] -> [R] int64."""
-    return _pick(torch.softmax(scaled, dim=-1), rng_key, position)
+    probs = torch.softmax(scaled, dim=-1)  # [R, V]
+    ids = torch.arange(scaled.shape[1], dtype=torch.int64, device=scaled.device)[None, :]  # [1, V]
+    return probs.div_(_exponential_at(rng_key, position, ids)).argmax(dim=-1)  # [R]
 
 
 def _candidate_limits(
@@ -513,9 +508,9 @@ def _draw_filtered(
         cand_p = cand_p.masked_fill(~short, 0.0)
     if use_min_p:
         cand_p = cand_p.masked_fill(cand_p < (min_p * p_max)[:, None], 0.0)
-    # Filtered probabilities need no renormalisation: _pick scales by the row's total.
-    chosen = _pick(cand_p, rng_key, position)  # [R] rank
-    return cand_ids.gather(1, chosen[:, None]).squeeze(1)  # [R]
+    # Filtered probabilities need no renormalisation: the race's argmax is scale-invariant.
+    race = cand_p.div_(_exponential_at(rng_key, position, cand_ids))  # [R, W]
+    return cand_ids.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)  # [R]
 
 
 def _draw(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -549,8 +544,8 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     logits: [S, V] raw model logits (cast to float32). Penalties apply to every row, greedy ones
     included; greedy rows then take the first maximum. Other rows: divide by temperature, softmax,
     top-k, top-p (smallest set with mass >= top_p, the top token always kept), min-p (keep
-    ``p >= min_p * p_max``), then an inverse-CDF draw with one uniform hashed from
-    (rng_key, position). ``logprobs`` are those of the raw logits (vLLM's default).
+    ``p >= min_p * p_max``), then the exponential race ``argmax p / E`` with ``E`` hashed from
+    (rng_key, position, vocab id). ``logprobs`` are those of the raw logits (vLLM's default).
     """
     raw = logits.float()  # [S, V]
     logits = apply_penalties(raw, batch)  # [S, V]

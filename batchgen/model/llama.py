@@ -140,10 +140,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            # One fused kernel (same maths as below) instead of five passes over x.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.weight * xf.to(x.dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -153,7 +155,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2).add_(x1 * sin)
+    return out
 
 
 class LlamaAttention(nn.Module):

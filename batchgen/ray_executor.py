@@ -1,0 +1,612 @@
+"""``executor.kind: ray``: one job on many engines, as Ray actors, with the local contract.
+
+The process that runs ``batchgen run`` is the *driver*. It alone reads the input and writes the
+output folder; the *workers* (Ray actors, one engine each) only generate.
+
+- **Plan.** The driver reads the input in rounds of ``window_rows`` rows per worker, tokenizes
+  them and groups rows by the leading blocks (``engine.block_size`` tokens) of their prompts: the
+  round starts as one group, and a group is split by its next block only while it alone costs
+  more than one worker's fair share of the round (cost: prompt tokens + n * max_tokens). Rows
+  sharing a prefix therefore stay together unless keeping them together would leave workers
+  idle. Groups go to workers largest first, each to the worker with the least outstanding work,
+  or to the worker that ran the same prefix in an earlier round while that keeps the balance.
+- **Run.** Each worker runs a :class:`~batchgen.runner.RowGenerator` (the local executor's model
+  loading, engine, feeding and result rows) over its shard, and streams finished input rows (all
+  n samples of a row) back in chunks, about every ``output.commit_rows`` / ``commit_seconds``,
+  through a Ray generator (at least every second, for the progress bar). Shards travel through
+  Ray's object store; each worker keeps one shard queued behind the one it runs, so it does not
+  wait for the driver between shards.
+- **Write.** The driver hands the rows to the same :class:`~batchgen.results.PartWriter` as a
+  local run, so the commit protocol and its guarantees are unchanged: a row is in the output iff
+  a committed part lists it, and a resumed run (with any executor) skips committed ids.
+- **Faults.** Actors are created with ``max_restarts`` (Ray restarts a worker process that died;
+  the new process loads its model again) and ``max_task_retries=0``: Ray would replay a failed
+  generator from the start and expects the same chunks, which time-cut chunks are not. Instead
+  the driver resubmits the shard (still in the object store) with the ids it has not received
+  yet; a row it already holds is never accepted again. A worker that is dead for good (restarts
+  used up) passes its shards to the least-loaded live worker. If the driver dies, its actors die
+  with it (Ray ends the actors of a dead owner); the next ``batchgen run`` resumes from the
+  committed parts, exactly once.
+
+Results equal the local executor's: a sample's random stream comes from (seed, id,
+sample_index) (:func:`batchgen.engine.sampler.rng_key`), never from its worker or neighbours.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import (
+    ActorDiedError,
+    NodeDiedError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
+from tqdm import tqdm
+
+from batchgen.errors import BatchgenError, JobError
+from batchgen.job import ExecutorConfig, Job
+from batchgen.model.loader import load_tokenizer, read_model_info
+from batchgen.runner import (
+    EncodedRow,
+    JobRun,
+    RowGenerator,
+    RowGroup,
+    Totals,
+    _Signals,
+    error_group,
+    resolve_placement,
+)
+
+QUEUED_SHARDS = 2  # a new round is planned when a worker holds fewer shards (running + queued)
+CHUNK_SECONDS = 1.0  # a worker hands back finished rows at least this often (for the progress bar)
+REPORTED_GROUPS = 100  # prefix groups listed per worker in _report.json (all are counted)
+STICKY_KEYS = 100_000  # prefixes remembered across rounds (oldest forgotten first)
+PREVIEW_CHARS = 60
+WORKER_LOST = (RayActorError, WorkerCrashedError, NodeDiedError)
+
+
+# -- planning -------------------------------------------------------------------------------------
+
+
+@dataclass
+class PrefixGroup:
+    """Rows whose prompts start with ``key`` (whole blocks, or a whole prompt at the end)."""
+
+    key: tuple[int, ...]
+    rows: list[EncodedRow]
+    cost: int
+
+
+def group_by_prefix(
+    rows: Sequence[EncodedRow], block_size: int, limit: float, cost: Callable[[EncodedRow], int]
+) -> list[PrefixGroup]:
+    """Split ``rows`` (all with tokens) into groups sharing their leading blocks.
+
+    All rows start as one group; a group costing more than ``limit`` is split by the next
+    ``block_size`` tokens of its prompts, until it costs ``limit`` or less. Identical prompts
+    costing more than ``limit`` are split into runs of rows (each piece then computes the prompt
+    once). Every row lands in exactly one group; within a group, rows keep their input order.
+    """
+    out: list[PrefixGroup] = []
+    todo: list[tuple[tuple[int, ...], list[EncodedRow], int]] = [((), list(rows), 0)]
+    while todo:
+        key, members, depth = todo.pop()
+        total = sum(cost(r) for r in members)
+        lo = depth * block_size
+        assert all(r.tokens is not None for r in members)
+        if total <= limit:
+            out.append(PrefixGroup(key, members, total))
+            continue
+        if all(len(r.tokens) <= lo for r in members):  # type: ignore[arg-type]
+            piece: list[EncodedRow] = []
+            piece_cost = 0
+            for r in members:
+                if piece and piece_cost + cost(r) > limit:
+                    out.append(PrefixGroup(key, piece, piece_cost))
+                    piece, piece_cost = [], 0
+                piece.append(r)
+                piece_cost += cost(r)
+            out.append(PrefixGroup(key, piece, piece_cost))
+            continue
+        parts: dict[tuple[int, ...], list[EncodedRow]] = {}
+        for r in members:
+            parts.setdefault(tuple(r.tokens[lo : lo + block_size]), []).append(r)  # type: ignore[index]
+        todo.extend((key + chunk, sub, depth + 1) for chunk, sub in parts.items())
+    return out
+
+
+class Planner:
+    """Assigns the prefix groups of each round to workers (see the module's docstring)."""
+
+    def __init__(self, block_size: int, n: int, max_tokens: int) -> None:
+        self.block_size = block_size
+        self.decode_cost = n * max_tokens
+        self.sticky: dict[tuple[int, ...], int] = {}  # prefix -> the worker that ran it
+
+    def cost(self, row: EncodedRow) -> int:
+        assert row.tokens is not None
+        return len(row.tokens) + self.decode_cost
+
+    def plan(self, rows: Sequence[EncodedRow], load: dict[int, int]) -> dict[int, list[PrefixGroup]]:
+        """``load``: the outstanding cost of each live worker (updated here as groups land)."""
+        workers = sorted(load)
+        limit = sum(self.cost(r) for r in rows) / len(workers)
+        groups = group_by_prefix(rows, self.block_size, limit, self.cost)
+        groups.sort(key=lambda g: (-g.cost, g.key))
+        shards: dict[int, list[PrefixGroup]] = {w: [] for w in workers}
+        for g in groups:
+            least = min(workers, key=lambda w: (load[w], w))
+            w = self.sticky.get(g.key, least)
+            if w not in load or load[w] - load[least] > limit:
+                w = least
+            shards[w].append(g)
+            load[w] += g.cost
+            if g.key and len(g.rows) > 1:
+                self.sticky.pop(g.key, None)
+                self.sticky[g.key] = w
+                if len(self.sticky) > STICKY_KEYS:
+                    del self.sticky[next(iter(self.sticky))]
+        return shards
+
+
+# -- the worker -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Chunk:
+    """What a worker streams back: finished input rows and its engine's figures since the last
+    chunk (``peak_kv_blocks_used`` is a level, not a delta)."""
+
+    groups: list[RowGroup]
+    stats: dict[str, int]
+    pid: int
+
+
+class Worker:
+    """The body of a Ray actor: one :class:`RowGenerator`, loaded on first use (so a restarted
+    actor, whose constructor Ray runs again, loads its model when work arrives)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.generator: RowGenerator | None = None
+        self.reported: dict[str, int] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def load(self) -> dict[str, Any]:
+        """Load the model and build the engine (once); where and how it runs."""
+        if self.generator is None:
+            job = self.job
+            info = read_model_info(job.model)
+            self.generator = RowGenerator(
+                job, info, resolve_placement(job), load_tokenizer(job.model)
+            )
+        report = self.generator.report()
+        return {
+            "pid": os.getpid(),
+            "node": ray.util.get_node_ip_address(),
+            "max_model_len": self.generator.max_model_len,
+            **{
+                k: report[k]
+                for k in ("device", "dtype", "attention_backend", "kv_blocks", "kv_block_size")
+            },
+        }
+
+    def run(
+        self,
+        shard: list[EncodedRow],
+        only: frozenset[Any] | None,
+        commit_rows: int,
+        commit_seconds: float,
+    ) -> Iterator[Chunk]:
+        """Generate the rows of ``shard`` (those with ids in ``only``, when given) and yield
+        them in chunks of about ``commit_rows`` output rows, or every ``commit_seconds`` (at
+        most :data:`CHUNK_SECONDS`)."""
+        self.load()
+        gen = self.generator
+        assert gen is not None
+        rows = shard if only is None else [e for e in shard if e.row.id in only]
+        buffer = gen.feed(rows)
+        last = time.monotonic()
+        every = min(commit_seconds, CHUNK_SECONDS)
+        while gen.has_work():
+            buffer += gen.step()
+            samples = sum(len(g) for g in buffer)
+            if buffer and (samples >= commit_rows or time.monotonic() - last >= every):
+                yield Chunk(buffer, self._stats(), os.getpid())
+                buffer = []
+                last = time.monotonic()
+        yield Chunk(buffer, self._stats(), os.getpid())
+
+    def _stats(self) -> dict[str, int]:
+        assert self.generator is not None
+        engine = self.generator.engine
+        now = {
+            "engine_steps": engine.stats.steps,
+            "sampled_tokens": engine.stats.sampled_tokens,
+            "preemptions": engine.scheduler.num_preemptions,
+            "evicted_kv_blocks": engine.scheduler.num_evicted_blocks,
+        }
+        delta = {k: v - self.reported.get(k, 0) for k, v in now.items()}
+        self.reported = now
+        delta["peak_kv_blocks_used"] = engine.scheduler.peak_blocks_used
+        return delta
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Slot:
+    """The driver's view of one worker."""
+
+    index: int
+    handle: Any
+    info: dict[str, Any]
+    alive: bool = True
+    pids: list[int] = field(default_factory=list)  # its processes so far (a restart adds one)
+    rerun_rows: int = 0  # rows resubmitted after a worker died
+    queued: int = 0  # shards submitted and not finished
+    outstanding: int = 0  # cost of the rows assigned and not received
+    totals: Totals = field(default_factory=Totals)
+    stats: dict[str, int] = field(default_factory=dict)
+    groups: list[dict[str, Any]] = field(default_factory=list)  # for the report
+    num_groups: int = 0
+
+
+@dataclass(eq=False)
+class _Task:
+    """One shard on one worker. ``remaining``: id -> cost of the rows not received yet; an id
+    is in the ``remaining`` of one task at most, and leaves it when its row is accepted."""
+
+    slot: _Slot
+    shard: Any  # ObjectRef of list[EncodedRow]
+    remaining: dict[Any, int]
+    groups: list[dict[str, Any]]
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> Sequence[int]:
+    """The longest prefix all of ``seqs`` share (that of the lexicographic least and greatest)."""
+    lo, hi = min(seqs), max(seqs)
+    for i, (a, b) in enumerate(zip(lo, hi, strict=False)):
+        if a != b:
+            return lo[:i]
+    return lo[: min(len(lo), len(hi))]
+
+
+def _unwrap(err: RayTaskError) -> BaseException:
+    """A worker's own error: a BatchgenError (an invalid job: exit 2) as itself."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BatchgenError) else err
+
+
+class RayDriver:
+    """Runs a :class:`~batchgen.runner.JobRun`'s rows on Ray workers (see the module's docstring).
+
+    Construction connects to (or starts) Ray, starts the workers and waits until each has
+    loaded its model; :meth:`run` generates; :meth:`close` ends the workers (and a Ray cluster
+    started here)."""
+
+    def __init__(self, job_run: JobRun) -> None:
+        self.job_run = job_run
+        job = job_run.job
+        self.config: ExecutorConfig = job.executor
+        self.started_ray = False
+        self.slots: list[_Slot] = []
+        self.planner = Planner(job.engine.block_size, job.sampling.n, job.sampling.max_tokens)
+        self.tasks: dict[Any, _Task] = {}  # ObjectRefGenerator -> task
+        try:
+            self._connect()
+            num_workers, num_gpus = self._workers()
+            actor = ray.remote(Worker).options(
+                num_cpus=self.config.num_cpus,
+                num_gpus=num_gpus,
+                max_restarts=self.config.max_restarts,
+                max_task_retries=0,
+            )
+            handles = [actor.remote(job) for _ in range(num_workers)]
+            self.slots = [_Slot(i, h, {}) for i, h in enumerate(handles)]
+            infos = self._get([h.load.remote() for h in handles])
+            for slot, info in zip(self.slots, infos, strict=True):
+                slot.info = info
+                slot.pids.append(info["pid"])
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self) -> None:
+        if ray.is_initialized():
+            return  # e.g. a notebook or a test that started Ray: use it, leave it running
+        address = self.config.address
+        kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING}
+        if address is None:
+            kwargs["include_dashboard"] = False
+        try:
+            ray.init(address=address, **kwargs)
+        except Exception as err:  # noqa: BLE001 - ConnectionError, ValueError, ...
+            where = "start a local Ray cluster" if address is None else f"connect to {address}"
+            detail = " ".join(str(err).split())[:300]
+            raise JobError(f"executor: cannot {where}: {detail}") from None
+        self.started_ray = True
+
+    def _workers(self) -> tuple[int, float]:
+        """How many workers, and the GPUs of each."""
+        ex = self.config
+        res = ray.cluster_resources()
+        gpus, cpus = float(res.get("GPU", 0)), float(res.get("CPU", 0))
+        num_gpus = ex.num_gpus if ex.num_gpus is not None else (1.0 if gpus > 0 else 0.0)
+        if ex.num_workers is not None:
+            n = ex.num_workers
+        elif num_gpus > 0:
+            n = int(gpus // num_gpus)
+        elif ex.num_cpus > 0:
+            n = int(cpus // ex.num_cpus)
+        else:
+            raise JobError("executor.num_workers must be set when workers need no CPU and no GPU")
+        if n < 1:
+            raise JobError(
+                f"executor: the Ray cluster has {gpus:g} GPUs and {cpus:g} CPUs, not enough for "
+                f"one worker with num_gpus={num_gpus:g} and num_cpus={ex.num_cpus:g}"
+            )
+        if n * num_gpus > gpus or n * ex.num_cpus > cpus:
+            print(
+                f"batchgen: warning: {n} workers need {n * num_gpus:g} GPUs and "
+                f"{n * ex.num_cpus:g} CPUs; the Ray cluster has {gpus:g} and {cpus:g} now: "
+                "workers start as room appears",
+                file=sys.stderr,
+            )
+        return n, num_gpus
+
+    def _get(self, refs: Any) -> Any:
+        try:
+            return ray.get(refs)
+        except RayTaskError as err:
+            raise _unwrap(err) from None
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self, signals: _Signals, bar: tqdm, start: float) -> bool:
+        """Plan, submit and collect until every row ran (True) or a signal stops it (False)."""
+        job_run = self.job_run
+        rounds = job_run.windows(job_run.job.input.window_rows * len(self.slots))
+        exhausted = False
+        while not signals.stop:
+            while not exhausted and not signals.stop and self._wants_work():
+                window = next(rounds, None)
+                if window is None:
+                    exhausted = True
+                else:
+                    self._submit_round(window, bar)
+            if signals.stop:
+                break
+            if not self.tasks:
+                return True  # every round was read and every shard has finished
+            ready, _ = ray.wait(list(self.tasks), num_returns=1, timeout=0.2)
+            for gen in ready:
+                self._advance(gen, bar)
+            elapsed = time.perf_counter() - start
+            sampled = sum(s.stats.get("sampled_tokens", 0) for s in self.slots)
+            bar.set_postfix(
+                tok_s=f"{sampled / max(elapsed, 1e-9):.0f}",
+                cache=f"{100 * job_run.totals.hit_rate():.0f}%",
+                workers=sum(s.alive for s in self.slots),
+                refresh=False,
+            )
+            job_run.writer.maybe_commit()
+        return False
+
+    def _wants_work(self) -> bool:
+        """A live worker would soon run dry (and the shards in flight stay bounded, also when a
+        round has fewer prefix groups than there are workers)."""
+        live = [s for s in self.slots if s.alive]
+        return any(s.queued < QUEUED_SHARDS for s in live) and sum(
+            s.queued for s in live
+        ) < QUEUED_SHARDS * len(live)
+
+    def _submit_round(self, window: list[Any], bar: tqdm) -> None:
+        job_run = self.job_run
+        rows_before = job_run.totals.rows
+        runnable: list[EncodedRow] = []
+        for item in job_run.encoder.encode(window):
+            if item.tokens is None:
+                job_run.add(error_group(item.row, item.problem or "unknown error", job_run.params))
+            else:
+                runnable.append(EncodedRow(item.row, array.array("i", item.tokens)))
+        bar.update(job_run.totals.rows - rows_before)
+        if not runnable:
+            return
+        live = {s.index: s for s in self.slots if s.alive}
+        load = {i: s.outstanding for i, s in live.items()}
+        for index, groups in self.planner.plan(runnable, load).items():
+            if not groups:
+                continue
+            slot = live[index]
+            rows = [r for g in groups for r in g.rows]
+            remaining = {r.row.id: self.planner.cost(r) for r in rows}
+            text = len(slot.groups) < REPORTED_GROUPS  # decode only what the report shows
+            entries = [self._entry(g, text) for g in groups]
+            task = _Task(slot, ray.put(rows), remaining, entries)
+            self._assign(task, slot)
+            self._launch(task, only=None)
+
+    def _entry(self, group: PrefixGroup, text: bool) -> dict[str, Any]:
+        """A prefix group as the report lists it: its first row (in input order), its size, and
+        the prompt tokens all its rows share (at least its key), with the start of their text."""
+        shared = _common_prefix([r.tokens for r in group.rows])  # type: ignore[misc]
+        entry: dict[str, Any] = {
+            "first_id": group.rows[0].row.id,
+            "rows": len(group.rows),
+            "shared_prefix_tokens": len(shared),
+        }
+        if len(shared) and text:
+            decoded = self.job_run.tokenizer.decode(list(shared), skip_special_tokens=True)
+            entry["shared_prefix"] = decoded[:PREVIEW_CHARS]
+        return entry
+
+    def _assign(self, task: _Task, slot: _Slot) -> None:
+        task.slot = slot
+        slot.outstanding += sum(task.remaining.values())
+        slot.num_groups += len(task.groups)
+        room = REPORTED_GROUPS - len(slot.groups)
+        slot.groups += task.groups[: max(room, 0)]
+
+    def _launch(self, task: _Task, only: frozenset[Any] | None) -> None:
+        out = self.job_run.job.output
+        gen = task.slot.handle.run.remote(task.shard, only, out.commit_rows, out.commit_seconds)
+        self.tasks[gen] = task
+        task.slot.queued += 1
+
+    def _advance(self, gen: Any, bar: tqdm) -> None:
+        """Take the next chunk of one ready shard; handle its end or its worker's death."""
+        task = self.tasks[gen]
+        try:
+            chunk = ray.get(next(gen))
+        except StopIteration:
+            self._finish(gen)
+            if task.remaining:
+                raise RuntimeError(
+                    f"Ray worker {task.slot.index} ended a shard without "
+                    f"{len(task.remaining)} of its rows"
+                ) from None
+            return
+        except WORKER_LOST as err:
+            self._finish(gen)
+            self._recover(task, err)
+            return
+        except RayTaskError as err:
+            raise _unwrap(err) from None
+        self._receive(task, chunk, bar)
+
+    def _finish(self, gen: Any) -> None:
+        task = self.tasks.pop(gen)
+        task.slot.queued -= 1
+
+    def _receive(self, task: _Task, chunk: Chunk, bar: tqdm) -> None:
+        job_run = self.job_run
+        slot = task.slot
+        self._seen(slot, chunk.pid)
+        rows_before = job_run.totals.rows
+        for group in chunk.groups:
+            cost = task.remaining.pop(group[0]["id"], None)
+            if cost is None:
+                continue  # already accepted (a resubmitted shard raced its first run): not twice
+            slot.outstanding -= cost
+            job_run.add(group)
+            slot.totals.add(group)
+        bar.update(job_run.totals.rows - rows_before)
+        for key, value in chunk.stats.items():
+            if key == "peak_kv_blocks_used":
+                slot.stats[key] = max(slot.stats.get(key, 0), value)
+            else:
+                slot.stats[key] = slot.stats.get(key, 0) + value
+
+    def _recover(self, task: _Task, err: Exception) -> None:
+        """The worker of ``task`` died: once Ray has restarted it, run the rows it had not
+        delivered there again; if it is dead for good, on the least-loaded live worker."""
+        slot = task.slot
+        pid = self._restarted_pid(slot)
+        if pid is None:
+            slot.alive = False
+            live = [s for s in self.slots if s.alive]
+            if not live:
+                raise RuntimeError(
+                    f"every Ray worker died (each restarted up to {self.config.max_restarts} "
+                    f"times; the last error: {' '.join(str(err).split())[:300]})"
+                ) from err
+            slot.outstanding -= sum(task.remaining.values())
+            slot.num_groups -= len(task.groups)
+            moved = {id(g) for g in task.groups}
+            slot.groups = [g for g in slot.groups if id(g) not in moved]
+            target = min(live, key=lambda s: (s.outstanding, s.index))
+            self._assign(task, target)
+        else:
+            self._seen(slot, pid)
+        if task.remaining:
+            task.slot.rerun_rows += len(task.remaining)
+            self._launch(task, only=frozenset(task.remaining))
+
+    @staticmethod
+    def _seen(slot: _Slot, pid: int) -> None:
+        """Note the worker's current process (a new one means Ray restarted it)."""
+        if pid not in slot.pids:
+            slot.pids.append(pid)
+            slot.info["pid"] = pid
+
+    def _restarted_pid(self, slot: _Slot) -> int | None:
+        """The worker's process id once Ray has it running again; None if it is dead for good."""
+        for _ in range(60):
+            try:
+                return ray.get(slot.handle.pid.remote(), timeout=10)
+            except ActorDiedError:
+                return None
+            except (RayActorError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.5)  # restarting, or temporarily unreachable
+        return None
+
+    # -- end ----------------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """The executor's part of ``_report.json``: sums over workers, and each worker's share."""
+        workers = []
+        for s in self.slots:
+            t = s.totals
+            workers.append(
+                {
+                    "worker": s.index,
+                    **s.info,
+                    "alive": s.alive,
+                    "restarts": len(s.pids) - 1,
+                    "rerun_rows": s.rerun_rows,
+                    "rows": t.rows,
+                    "samples": t.samples,
+                    "prompt_tokens": t.prompt_tokens,
+                    "cached_prompt_tokens": t.cached_prompt_tokens,
+                    "output_tokens": t.output_tokens,
+                    "errors": t.errors,
+                    "engine_steps": s.stats.get("engine_steps", 0),
+                    "preemptions": s.stats.get("preemptions", 0),
+                    "evicted_kv_blocks": s.stats.get("evicted_kv_blocks", 0),
+                    "peak_kv_blocks_used": s.stats.get("peak_kv_blocks_used", 0),
+                    "groups": s.num_groups,
+                    "prefix_groups": s.groups,
+                }
+            )
+
+        def total(key: str) -> int:
+            return sum(int(w[key]) for w in workers)
+
+        return {
+            "preemptions": total("preemptions"),
+            "engine_steps": total("engine_steps"),
+            "evicted_kv_blocks": total("evicted_kv_blocks"),
+            "worker_restarts": total("restarts"),
+            "num_workers": len(workers),
+            "ray_address": self.config.address,
+            "workers": workers,
+        }
+
+    def close(self) -> None:
+        """End the workers (freeing their devices at once), and Ray if it was started here."""
+        self.tasks.clear()
+        for slot in self.slots:
+            with contextlib.suppress(Exception):
+                ray.kill(slot.handle, no_restart=True)
+        if self.started_ray:
+            self.started_ray = False
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+
+
+__all__ = ["Planner", "PrefixGroup", "RayDriver", "Worker", "group_by_prefix"]
