@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchgen.engine.engine import Engine, EngineConfig
-from batchgen.engine.request import Request, SamplingParams, SampleTarget
+from batchgen.engine.request import Request, SampleTarget, SamplingParams
 from batchgen.engine.sampler import rng_key
 from batchgen.model.attention import make_attention_backend
 from batchgen.model.loader import load_model
