@@ -115,6 +115,14 @@ class _ErrorGuard:
             click.echo(
                 message if message and message != type(exc).__name__ else "interrupted", err=True
             )
+            if getattr(exc, "signum", None) is not None:
+                # Stopped by a real signal: everything is saved. Leave now, skipping interpreter
+                # finalization, which resets the signal handlers to the defaults: another Ctrl-C
+                # during torch's teardown would otherwise kill the process (-2) instead of 130.
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+                os._exit(EXIT_INTERRUPTED)
             raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
         if isinstance(exc, Exception):
             try:

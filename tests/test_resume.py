@@ -34,7 +34,7 @@ from batchgen.results import MANIFEST_NAME, REPORT_NAME
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import read_results, run_cli, write_job
 
-ROWS = 64
+ROWS = 256  # enough work that five kills land before a fast machine finishes
 N = 2
 SAMPLING = {"n": N, "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 7,
             "ignore_eos": True}
