@@ -167,16 +167,19 @@ def validate(job: Job) -> str:
     check_model(job.model)  # weights and tokenizer files, from their headers
     output = _check_output_folder(job, dataset)
     load_tokenizer(job.model)
+    head = [
+        f"model:    {job.model} ({info.architecture}, {info.num_layers} layers, "
+        f"{info.num_heads} heads / {info.num_kv_heads} KV heads, head_dim {info.head_dim})",
+        f"input:    {dataset.num_rows} rows from {job.input.path}",
+        f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
+        f"max_tokens={job.sampling.max_tokens})",
+        f"output:   {job.output.path} ({output})",
+    ]
     if job.executor.kind == "ray":
         _ray_executor()  # Ray is installed
         return "\n".join(
             [
-                f"model:    {job.model} ({info.architecture}, {info.num_layers} layers, "
-                f"{info.num_heads} heads / {info.num_kv_heads} KV heads, head_dim {info.head_dim})",
-                f"input:    {dataset.num_rows} rows from {job.input.path}",
-                f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
-                f"max_tokens={job.sampling.max_tokens})",
-                f"output:   {job.output.path} ({output})",
+                *head,
                 _executor_plan(job),
                 "device, KV cache, max_model_len: decided by each worker when it starts",
             ]
@@ -189,12 +192,7 @@ def validate(job: Job) -> str:
     if length < min(info.max_model_len, job.engine.max_model_len or info.max_model_len):
         length = f"{length} (all the KV cache holds: longer prompts will be error rows)"
     lines = [
-        f"model:    {job.model} ({info.architecture}, {info.num_layers} layers, "
-        f"{info.num_heads} heads / {info.num_kv_heads} KV heads, head_dim {info.head_dim})",
-        f"input:    {dataset.num_rows} rows from {job.input.path}",
-        f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
-        f"max_tokens={job.sampling.max_tokens})",
-        f"output:   {job.output.path} ({output})",
+        *head,
         f"device:   {place.device} {str(place.dtype).removeprefix('torch.')}, "
         f"attention {place.backend}",
         f"KV cache: {per_token} bytes/token, {num_blocks} blocks x {bs} tokens = "

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import inspect
-import math
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from batchgen.engine.sampler import (
     rng_key,
     sample,
     uniform_noise,
-    validate_sampling_params,
 )
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -467,22 +464,6 @@ def test_mixed_greedy_and_random_rows() -> None:
     out = sample(logits, make_batch(params, 40))
     argmax = logits.argmax(-1)
     assert out.tokens[[0, 2, 3]].tolist() == argmax[[0, 2, 3]].tolist()
-
-
-def test_validate_sampling_params() -> None:
-    validate_sampling_params(SamplingParams())
-    validate_sampling_params(SamplingParams(temperature=0.0, top_p=0.1, top_k=5, min_p=1.0))
-    for bad in (
-        {"temperature": -1.0},
-        {"top_p": 0.0},
-        {"top_p": 1.5},
-        {"top_k": -1},
-        {"min_p": 1.5},
-        {"repetition_penalty": 0.0},
-        {"presence_penalty": math.inf},
-    ):
-        with pytest.raises(ValueError):
-            validate_sampling_params(replace(SamplingParams(), **bad))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

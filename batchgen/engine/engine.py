@@ -9,7 +9,7 @@ import torch
 
 from batchgen.engine.batch import build_step
 from batchgen.engine.block_pool import BlockPool
-from batchgen.engine.radix_cache import NullCache, RadixCache
+from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import FinishReason, Request, SampleResult, Sequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
@@ -72,11 +72,7 @@ class Engine:
             info.head_dim, dtype=dtype, device=device,
         )
         self.pool = BlockPool(config.num_blocks)
-        cache = (
-            RadixCache(self.pool, config.block_size)
-            if config.prefix_caching
-            else NullCache(config.block_size)
-        )
+        cache = make_prefix_cache(self.pool, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 block_size=config.block_size,

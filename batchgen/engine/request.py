@@ -66,7 +66,6 @@ class SampleResult:
     num_cached_tokens: int  # prompt tokens whose KV this sample reused instead of computing
     token_logprobs: list[float] | None = None  # set when params.logprobs
     text: str | None = None  # set by the engine when stop strings were matched (truncated text)
-    extra: dict = field(default_factory=dict)
 
 
 class SeqStatus(enum.Enum):

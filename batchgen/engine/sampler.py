@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import math
 import operator
 from array import array
 from collections.abc import Sequence
@@ -166,26 +165,6 @@ def _exponential_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # The per-step batch of sampling settings
 # ---------------------------------------------------------------------------------------------
-
-
-def validate_sampling_params(p: SamplingParams) -> None:
-    """Raise ValueError if ``p`` has values the sampler cannot honour (call once per request)."""
-    problems = []
-    if not (math.isfinite(p.temperature) and p.temperature >= 0.0):
-        problems.append(f"temperature must be >= 0, got {p.temperature}")
-    if not (0.0 < p.top_p <= 1.0):
-        problems.append(f"top_p must be in (0, 1], got {p.top_p}")
-    if p.top_k < 0:
-        problems.append(f"top_k must be >= 0 (0 = off), got {p.top_k}")
-    if not (0.0 <= p.min_p <= 1.0):
-        problems.append(f"min_p must be in [0, 1], got {p.min_p}")
-    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0.0):
-        problems.append(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not math.isfinite(getattr(p, name)):
-            problems.append(f"{name} must be finite, got {getattr(p, name)}")
-    if problems:
-        raise ValueError("invalid sampling parameters: " + "; ".join(problems))
 
 
 def _pad_ids(seqs: Sequence[Sequence[int]], pad: int) -> Tensor:
