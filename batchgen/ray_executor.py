@@ -138,7 +138,9 @@ class Planner:
         assert row.tokens is not None
         return len(row.tokens) + self.decode_cost
 
-    def plan(self, rows: Sequence[EncodedRow], load: dict[int, int]) -> dict[int, list[PrefixGroup]]:
+    def plan(
+        self, rows: Sequence[EncodedRow], load: dict[int, int]
+    ) -> dict[int, list[PrefixGroup]]:
         """``load``: the outstanding cost of each live worker (updated here as groups land)."""
         workers = sorted(load)
         limit = sum(self.cost(r) for r in rows) / len(workers)

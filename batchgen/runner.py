@@ -387,7 +387,9 @@ class PromptEncoder:
         encoded: dict[int, list[int]] = {}
         if plain:
             try:
-                ids = self.tokenizer([r.prompt for r in plain], add_special_tokens=True)["input_ids"]
+                ids = self.tokenizer([r.prompt for r in plain], add_special_tokens=True)[
+                    "input_ids"
+                ]
                 encoded = {id(r): list(t) for r, t in zip(plain, ids, strict=True)}
             except Exception:  # noqa: BLE001 - fall back to rows one by one to name the culprit
                 encoded = {}
@@ -453,8 +455,13 @@ def error_group(row: InputRow, problem: str, params: SamplingParams) -> RowGroup
     for k in range(params.n):
         r = _base_row(row, k)
         r.update(
-            text="", token_ids=[], finish_reason=FinishReason.ERROR.value, error=problem,
-            num_prompt_tokens=0, num_cached_tokens=0, num_output_tokens=0,
+            text="",
+            token_ids=[],
+            finish_reason=FinishReason.ERROR.value,
+            error=problem,
+            num_prompt_tokens=0,
+            num_cached_tokens=0,
+            num_output_tokens=0,
         )
         if params.logprobs:
             r.update(cumulative_logprob=None, token_logprobs=None)
@@ -726,8 +733,12 @@ class JobRun:
     def _generate(self, signals: _Signals) -> dict[str, Any]:
         start = time.perf_counter()
         bar = tqdm(
-            total=self.dataset.num_rows, initial=len(self.done_ids), unit="row",
-            disable=self.quiet, file=sys.stderr, dynamic_ncols=True,
+            total=self.dataset.num_rows,
+            initial=len(self.done_ids),
+            unit="row",
+            disable=self.quiet,
+            file=sys.stderr,
+            dynamic_ncols=True,
         )
         try:
             if self.driver is not None:

@@ -339,8 +339,13 @@ def _(tmp: Path, model: Path) -> tuple[Path, list[str], list[str]]:
     cfg = json.loads((m / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (m / "config.json").write_text(json.dumps(cfg))
-    needles = ["GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-               "Qwen3ForCausalLM"]
+    needles = [
+        "GPT2LMHeadModel",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    ]
     return with_job(tmp, m), [], needles
 
 
@@ -690,8 +695,13 @@ def test_bad_value_names_its_key(
 
 @pytest.mark.parametrize(
     "key_value",
-    [("sampling.n", "0"), ("sampling.top_k", "-2"), ("engine.block_size", "24"),
-     ("sampling.temperature", "-1"), ("engine.device", "gpu")],
+    [
+        ("sampling.n", "0"),
+        ("sampling.top_k", "-2"),
+        ("engine.block_size", "24"),
+        ("sampling.temperature", "-1"),
+        ("engine.device", "gpu"),
+    ],
     ids=_value_id,
 )
 def test_bad_set_value_names_its_key(
@@ -725,7 +735,9 @@ def test_job_level_problem_is_one_line(
 def _tree(path: Path) -> dict[str, bytes] | None:
     if not path.is_dir():
         return None
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
 
 
 def test_fixed_model_resumes_into_the_same_folder(model: Path, tmp_path: Path) -> None:
@@ -754,8 +766,13 @@ def test_corrupt_row_group_found_mid_run(model: Path, tmp_path: Path) -> None:
     job["output"]["commit_rows"] = 1
     job = write_job(tmp_path, job)
     path = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"id": list(range(40)), "prompt": prompts}), path,
-                   compression="none", use_dictionary=False, row_group_size=10)
+    pq.write_table(
+        pa.table({"id": list(range(40)), "prompt": prompts}),
+        path,
+        compression="none",
+        use_dictionary=False,
+        row_group_size=10,
+    )
     page = pq.read_metadata(path).row_group(3).column(1).data_page_offset
     data = bytearray(path.read_bytes())
     data[page : page + 4] = b"\xff\xff\xff\x7f"  # the page header of the last prompts
@@ -772,7 +789,9 @@ def test_corrupt_row_group_found_mid_run(model: Path, tmp_path: Path) -> None:
 
 def test_empty_input_completes_cleanly(model: Path, tmp_path: Path) -> None:
     job = with_job(tmp_path, model)
-    write_table(tmp_path, pa.table({"id": pa.array([], pa.int64()), "prompt": pa.array([], pa.string())}))
+    write_table(
+        tmp_path, pa.table({"id": pa.array([], pa.int64()), "prompt": pa.array([], pa.string())})
+    )
     result = invoke("validate", job)
     no_traceback(result)
     assert result.exit_code == 0 and "0 rows" in result.stdout
@@ -782,7 +801,9 @@ def test_empty_input_completes_cleanly(model: Path, tmp_path: Path) -> None:
     report = json.loads((tmp_path / "out" / "_report.json").read_text())
     assert report["finished"] is True
     assert (report["rows"], report["samples"], report["errors"]) == (0, 0, 0)
-    assert not list((tmp_path / "out").glob("part-*.parquet")) or read_results(tmp_path / "out") == []
+    assert (
+        not list((tmp_path / "out").glob("part-*.parquet")) or read_results(tmp_path / "out") == []
+    )
     # Running it again is a no-op that also succeeds.
     assert invoke("run", job, "--quiet").exit_code == 0
 
@@ -799,7 +820,8 @@ def raw_strings(values: list[bytes | None]) -> pa.Array:
     data = b"".join(v or b"" for v in values)
     validity = pa.array([v is not None for v in values]).buffers()[1]
     return pa.Array.from_buffers(
-        pa.string(), len(values),
+        pa.string(),
+        len(values),
         [validity, pa.py_buffer(pa.array(offsets, pa.int32()).buffers()[1]), pa.py_buffer(data)],
     )
 
@@ -853,8 +875,12 @@ def run_ok(job: Path) -> list[dict[str, Any]]:
 
 
 def check_rows(
-    rows: list[dict[str, Any]], good_ids: list[Any], bad: dict[Any, str], n: int,
-    reference: list[dict[str, Any]], keep: str | None = None,
+    rows: list[dict[str, Any]],
+    good_ids: list[Any],
+    bad: dict[Any, str],
+    n: int,
+    reference: list[dict[str, Any]],
+    keep: str | None = None,
 ) -> None:
     """Every id has n rows; bad ids are error rows naming their reason; good rows equal the
     reference job's rows."""
@@ -917,8 +943,9 @@ def test_bad_prompts_become_error_rows(
 
     def job_in(folder: Path, ids: list[int], values: list[bytes | None]) -> Path:
         folder.mkdir()
-        table = pa.table({"id": ids, "prompt": raw_strings(values),
-                          "tag": [f"tag-{i}" for i in ids]})
+        table = pa.table(
+            {"id": ids, "prompt": raw_strings(values), "tag": [f"tag-{i}" for i in ids]}
+        )
         write_table(folder, table)
         job = base_job(model)
         job["sampling"] = sampling
@@ -934,8 +961,9 @@ def test_bad_prompts_become_error_rows(
     job = job_in(tmp_path / "mixed", ids, values)
     assert invoke("validate", job).exit_code == 0  # row problems are not job problems
     rows = run_ok(job)
-    check_rows(rows, list(good), {i: reason for i, (_, reason) in bad.items()}, n, reference,
-               keep="tag")
+    check_rows(
+        rows, list(good), {i: reason for i, (_, reason) in bad.items()}, n, reference, keep="tag"
+    )
     over = [r for r in rows if r["id"] == 4][0]["error"]
     assert re.search(r"prompt has \d{5,} tokens", over) and f"max_model_len is {MAX_LEN}" in over
     one_token = [r for r in rows if r["id"] == 5]

@@ -47,9 +47,10 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], max_new: int) -> list[list
     for ids in prompt_ids:
         x = torch.tensor([ids])
         with torch.no_grad():
-            y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                            max_new_tokens=max_new)
-        outs.append(y[0, len(ids):].tolist())
+            y = hf.generate(
+                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new
+            )
+        outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -62,7 +63,9 @@ def test_greedy_matches_transformers(arch, tiny_model, tmp_path):
     # Lengths below, at and above block boundaries, including exact multiples of the block size.
     prompts = prompts_with_lengths(tok, [2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 23, 32])
     job = write_job(
-        tmp_path, model, prompts,
+        tmp_path,
+        model,
+        prompts,
         sampling={"temperature": 0, "max_tokens": 24},
         engine={"block_size": BLOCK, "max_num_batched_tokens": 40, "max_num_seqs": 5},
     )
@@ -80,11 +83,16 @@ def test_length_one_prompt_and_tight_memory_match_ample(tiny_model, tmp_path):
     model = tiny_model("llama", **ARCHS["llama"])
     prompts = make_prompts(24, seed=3, min_words=5, max_words=30)
     common = {"temperature": 0.9, "max_tokens": 30, "n": 2, "seed": 5, "ignore_eos": True}
-    ample = run_job(write_job(tmp_path / "a", model, prompts, sampling=common,
-                              engine={"block_size": BLOCK}))
-    tight_job = write_job(tmp_path / "b", model, prompts, sampling=common,
-                          engine={"block_size": BLOCK, "kv_cache_blocks": 40,
-                                  "max_num_batched_tokens": 64})
+    ample = run_job(
+        write_job(tmp_path / "a", model, prompts, sampling=common, engine={"block_size": BLOCK})
+    )
+    tight_job = write_job(
+        tmp_path / "b",
+        model,
+        prompts,
+        sampling=common,
+        engine={"block_size": BLOCK, "kv_cache_blocks": 40, "max_num_batched_tokens": 64},
+    )
     tight = run_job(tight_job)
     assert [r["token_ids"] for r in tight] == [r["token_ids"] for r in ample]
     report = json.loads((tmp_path / "b" / "out" / "_report.json").read_text())
@@ -99,9 +107,20 @@ def test_sampling_is_independent_of_order_and_engine_settings(tiny_model, tmp_pa
     a = run_job(write_job(tmp_path / "a", model, prompts, sampling=sampling))
     # Reverse the row order and change every engine setting.
     table = pa.table({"id": list(range(15, -1, -1)), "prompt": prompts[::-1]})
-    b = run_job(write_job(tmp_path / "b", model, table=table, sampling=sampling,
-                          engine={"block_size": 8, "max_num_seqs": 3, "max_num_batched_tokens": 16,
-                                  "prefix_caching": False}))
+    b = run_job(
+        write_job(
+            tmp_path / "b",
+            model,
+            table=table,
+            sampling=sampling,
+            engine={
+                "block_size": 8,
+                "max_num_seqs": 3,
+                "max_num_batched_tokens": 16,
+                "prefix_caching": False,
+            },
+        )
+    )
     assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
     # Samples of one prompt differ from each other; a different seed changes them.
     assert len({tuple(r["token_ids"]) for r in a[:3]}) > 1
@@ -112,9 +131,15 @@ def test_sampling_is_independent_of_order_and_engine_settings(tiny_model, tmp_pa
 def test_forks_compute_the_prompt_once(tiny_model, tmp_path):
     model = tiny_model("llama", **ARCHS["llama"])
     prompts = make_prompts(6, seed=5, min_words=10, max_words=30)
-    rows = run_job(write_job(tmp_path, model, prompts,
-                             sampling={"temperature": 0, "n": 4, "max_tokens": 10},
-                             engine={"block_size": BLOCK}))
+    rows = run_job(
+        write_job(
+            tmp_path,
+            model,
+            prompts,
+            sampling={"temperature": 0, "n": 4, "max_tokens": 10},
+            engine={"block_size": BLOCK},
+        )
+    )
     assert len(rows) == 24
     for i in range(6):
         group = [r for r in rows if r["id"] == i]
@@ -130,9 +155,14 @@ def test_stop_strings_stop_ids_and_logprobs(tiny_model, tmp_path):
     model = tiny_model("llama", **ARCHS["llama"])
     tok = AutoTokenizer.from_pretrained(model)
     prompts = make_prompts(8, seed=6, min_words=5, max_words=20)
-    base = run_job(write_job(tmp_path / "a", model, prompts,
-                             sampling={"temperature": 0, "max_tokens": 30, "ignore_eos": True,
-                                       "logprobs": True}))
+    base = run_job(
+        write_job(
+            tmp_path / "a",
+            model,
+            prompts,
+            sampling={"temperature": 0, "max_tokens": 30, "ignore_eos": True, "logprobs": True},
+        )
+    )
     for r in base:
         assert len(r["token_logprobs"]) == r["num_output_tokens"]
         assert r["cumulative_logprob"] == pytest.approx(sum(r["token_logprobs"]), abs=1e-3)
@@ -141,9 +171,20 @@ def test_stop_strings_stop_ids_and_logprobs(tiny_model, tmp_path):
     text0 = base[0]["text"]
     stop = text0[len(text0) // 2 : len(text0) // 2 + 3]
     stop_id = base[1]["token_ids"][5]
-    rows = run_job(write_job(tmp_path / "b", model, prompts,
-                             sampling={"temperature": 0, "max_tokens": 30, "ignore_eos": True,
-                                       "stop": [stop], "stop_token_ids": [stop_id]}))
+    rows = run_job(
+        write_job(
+            tmp_path / "b",
+            model,
+            prompts,
+            sampling={
+                "temperature": 0,
+                "max_tokens": 30,
+                "ignore_eos": True,
+                "stop": [stop],
+                "stop_token_ids": [stop_id],
+            },
+        )
+    )
     r0 = rows[0]
     assert r0["finish_reason"] == "stop"
     assert r0["text"] == text0[: text0.find(stop)]
@@ -165,10 +206,19 @@ def test_chat_messages_and_keep_columns(tiny_model, tmp_path):
         [{"role": "user", "content": "tell me more"}],
     ]
     table = pa.table({"qid": ["a", "b"], "messages": msgs, "tag": [1, 2]})
-    rows = run_job(write_job(
-        tmp_path, model, table=table, sampling={"temperature": 0, "max_tokens": 8},
-        input_extra={"messages_column": "messages", "id_column": "qid", "keep_columns": ["tag"]},
-    ))
+    rows = run_job(
+        write_job(
+            tmp_path,
+            model,
+            table=table,
+            sampling={"temperature": 0, "max_tokens": 8},
+            input_extra={
+                "messages_column": "messages",
+                "id_column": "qid",
+                "keep_columns": ["tag"],
+            },
+        )
+    )
     assert [r["id"] for r in rows] == ["a", "b"]
     assert [r["tag"] for r in rows] == [1, 2]
     text = tok.apply_chat_template(msgs[0], tokenize=False, add_generation_prompt=True)
@@ -182,7 +232,9 @@ def test_real_subprocess_run(tiny_model, tmp_path):
     job = write_job(tmp_path, model, make_prompts(5, seed=7), sampling={"max_tokens": 5})
     proc = subprocess.run(
         [sys.executable, "-m", "batchgen.cli", "run", str(job)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "batchgen: done: 5 rows" in proc.stderr

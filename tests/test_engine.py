@@ -20,11 +20,19 @@ CPU = torch.device("cpu")
 
 def make_engine(model_dir, backend="torch", **overrides) -> Engine:
     model, info = load_model(model_dir, CPU, torch.float32, make_attention_backend(backend))
-    cfg = dict(block_size=4, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=48,
-               max_model_len=info.max_model_len, prefix_caching=True, attention_backend=backend)
+    cfg = dict(
+        block_size=4,
+        num_blocks=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=48,
+        max_model_len=info.max_model_len,
+        prefix_caching=True,
+        attention_backend=backend,
+    )
     cfg.update(overrides)
-    return Engine(model, info, EngineConfig(**cfg), device=CPU, dtype=torch.float32,
-                  check_invariants=True)
+    return Engine(
+        model, info, EngineConfig(**cfg), device=CPU, dtype=torch.float32, check_invariants=True
+    )
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -70,10 +78,13 @@ def test_prefix_sharing_rows_and_forks_match_transformers(tiny_model):
     assert cached > 5 * 20 * 2  # forks and the template were shared
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingParams(temperature=0.0, max_tokens=8, n=2),
-    SamplingParams(temperature=1.0, top_k=20, max_tokens=8, n=3, seed=3),
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0.0, max_tokens=8, n=2),
+        SamplingParams(temperature=1.0, top_k=20, max_tokens=8, n=3, seed=3),
+    ],
+)
 def test_triton_backend_matches_torch(tiny_model, sampling):
     model = tiny_model("llama", **ARCHS["llama"])
     template = random_prompts([10], seed=4)[0]

@@ -280,7 +280,10 @@ def test_missing_required_keys(tmp_path: Path, text: str, expected: str) -> None
             "unknown key 'input.prompt_col' (did you mean 'prompt_column'?)",
         ),
         ({"modle": "m"}, "unknown key 'modle' (did you mean 'model'?)"),
-        ({"zzz": 1}, "unknown key 'zzz' (valid keys: model, input, output, sampling, engine, executor)"),
+        (
+            {"zzz": 1},
+            "unknown key 'zzz' (valid keys: model, input, output, sampling, engine, executor)",
+        ),
     ],
 )
 def test_unknown_keys_suggest(tmp_path: Path, extra: dict, expected: str) -> None:

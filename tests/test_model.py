@@ -19,7 +19,6 @@ from batchgen.errors import ModelError
 from batchgen.model.attention import (
     AttentionMetadata,
     TorchAttention,
-    make_attention_backend,
 )
 from batchgen.model.loader import (
     load_model,
@@ -282,13 +281,26 @@ def reference_attention(q, k_cache, v_cache, meta, scale):
 
 
 @pytest.mark.parametrize("hq,hkv,block_size", [(4, 2, 4), (3, 3, 16), (8, 1, 8)])
-@pytest.mark.parametrize("tuning", ["default", "split", "merge", "no_flash_op"])
+@pytest.mark.parametrize(
+    "tuning,native",
+    [("default", True), ("split", True), ("default", False), ("split", False), ("merge", False),
+     ("no_flash_op", False)],
+)  # fmt: skip
 def test_torch_attention_matches_reference(
-    hq: int, hkv: int, block_size: int, tuning: str, monkeypatch: pytest.MonkeyPatch
+    hq: int,
+    hkv: int,
+    block_size: int,
+    tuning: str,
+    native: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Mixed batches through every path: decode, fresh prefill, extend, padded groups, and
-    cascades over shared prefix blocks; unused cache blocks are NaN."""
-    from batchgen.model import attention
+    cascades over shared prefix blocks; unused cache blocks are NaN. ``native``: decode and
+    extend sequences in the C kernel (reading the paged cache in place), the rest in PyTorch."""
+    from batchgen.model import attention, cpu_attention
+
+    if native and cpu_attention.load() is None:
+        pytest.skip("the CPU attention kernel cannot be built here (no C compiler?)")
 
     if tuning != "default":
         monkeypatch.setattr(attention, "_CASCADE_MIN_SAVED", 0)  # any shared block is a cascade
@@ -346,10 +358,16 @@ def test_torch_attention_matches_reference(
         max_seqlen_q=max(q for q, _, _ in specs),
         max_seqlen_k=max(q + c for q, c, _ in specs),
     )
-    backend = make_attention_backend("torch")
+    backend = TorchAttention(native=native)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.3)
     plan = meta.torch_plan
-    assert plan is not None and len(plan.groups) >= 3
+    assert plan is not None
+    if native:  # decodes and short extends went to the kernel
+        assert plan.native_seqs is not None
+        short = sum((c > 0 or q == 1) and q <= attention._NATIVE_MAX_Q for q, c, _ in specs)
+        assert len(plan.native_seqs) == short
+    else:
+        assert len(plan.groups) >= 3 and plan.native_seqs is None
     if tuning != "default":
         assert len(plan.cascades) == 2
     # a second layer reuses the plan

@@ -44,13 +44,26 @@ ROWS = ROWS_PER_TEMPLATE * len(TEMPLATES)
 # batch other rows together than the local run does (and a kill changes that again), so the
 # data and seed are ones where the local executor itself gives the same tokens with
 # max_num_seqs 1, 2, 3, 5 and 256 (seed 7 has a near-tie that flips between those).
-SEEDED = {"n": 2, "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 8, "ignore_eos": True}
+SEEDED = {
+    "n": 2,
+    "max_tokens": 16,
+    "temperature": 0.9,
+    "top_p": 0.95,
+    "seed": 8,
+    "ignore_eos": True,
+}
 GREEDY = {"n": 1, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 ENGINE = {"block_size": 4}
 RAY = ("--set", "executor.kind=ray", "--set", "executor.num_workers=2")
 # Small batches and a commit per finished row: a job takes seconds, kills land mid-shard.
-SLOW = ("--set", "engine.max_num_seqs=2", "--set", "output.commit_rows=2",
-        "--set", "output.commit_seconds=0.05")
+SLOW = (
+    "--set",
+    "engine.max_num_seqs=2",
+    "--set",
+    "output.commit_rows=2",
+    "--set",
+    "output.commit_seconds=0.05",
+)
 PROC_TIMEOUT = 240  # seconds; a loaded 2-core machine starts torch (and Ray workers) slowly
 
 
@@ -62,8 +75,11 @@ def ray_cluster():
     """A local Ray cluster for the module; jobs run in this process use it (and leave it up)."""
     ray = pytest.importorskip("ray")
     ray.init(
-        num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
-        log_to_driver=False, logging_level="WARNING",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=80 * 2**20,
+        log_to_driver=False,
+        logging_level="WARNING",
     )
     yield ray
     ray.shutdown()
@@ -135,13 +151,19 @@ def test_executor_section_defaults_overrides_and_errors(tmp_path: Path) -> None:
     job = load_job(tmp_path / "job.yaml")
     assert job.executor == ExecutorConfig()
     assert (job.executor.kind, job.executor.address, job.executor.num_workers) == (
-        "local", None, None,
+        "local",
+        None,
+        None,
     )
     assert (job.executor.num_cpus, job.executor.num_gpus, job.executor.max_restarts) == (1, None, 3)
     ray_job = load_job(
         tmp_path / "job.yaml",
-        ["executor.kind=ray", "executor.address=auto", "executor.num_workers=4",
-         "executor.num_gpus=0.5"],
+        [
+            "executor.kind=ray",
+            "executor.address=auto",
+            "executor.num_workers=4",
+            "executor.num_gpus=0.5",
+        ],
     )
     ex = ray_job.executor
     assert (ex.kind, ex.address, ex.num_workers, ex.num_gpus) == ("ray", "auto", 4, 0.5)
@@ -150,7 +172,10 @@ def test_executor_section_defaults_overrides_and_errors(tmp_path: Path) -> None:
     (tmp_path / "empty.yaml").write_text(text + "executor:\n")
     assert load_job(tmp_path / "empty.yaml").executor == ExecutorConfig()
     for overrides, expected in [
-        (["executor.num_worker=2"], "unknown key 'executor.num_worker' (did you mean 'num_workers'?)"),
+        (
+            ["executor.num_worker=2"],
+            "unknown key 'executor.num_worker' (did you mean 'num_workers'?)",
+        ),
         (["executor.kind=slurm"], "executor.kind"),
         (["executor.num_workers=0"], "executor.num_workers"),
         (["executor.num_gpus=-1"], "executor.num_gpus"),
@@ -189,7 +214,9 @@ def seeded_ray_run(ray_cluster, data, tmp_path_factory) -> Path:
     job = job_for(data, tmp_path_factory.mktemp("ray-seeded"), SEEDED)
     t0 = time.monotonic()
     run_cli("run", str(job), "--quiet", *RAY)
-    print(f"\n[ray] seeded job on 2 workers: {time.monotonic() - t0:.1f}s (workers' start included)")
+    print(
+        f"\n[ray] seeded job on 2 workers: {time.monotonic() - t0:.1f}s (workers' start included)"
+    )
     return job.parent / "out"
 
 
@@ -297,7 +324,10 @@ def test_planner_groups_balances_and_sticks() -> None:
 
 @pytest.mark.parametrize("max_restarts", [3, 0])
 def test_worker_killed_mid_job(
-    ray_cluster, data: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    ray_cluster,
+    data: SimpleNamespace,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     max_restarts: int,
 ) -> None:
     """SIGKILL worker 0's process right after its first chunk arrives. With restarts left, Ray
@@ -315,8 +345,9 @@ def test_worker_killed_mid_job(
 
     monkeypatch.setattr(RayDriver, "_receive", receive)
     job = job_for(data, tmp_path, SEEDED)
-    run_cli("run", str(job), "--quiet", *RAY, *SLOW,
-            "--set", f"executor.max_restarts={max_restarts}")
+    run_cli(
+        "run", str(job), "--quiet", *RAY, *SLOW, "--set", f"executor.max_restarts={max_restarts}"
+    )
     out = tmp_path / "out"
     assert len(killed) == 1
     figures = check_exactly_once(out, data.refs["seeded"], SEEDED["n"])
@@ -340,17 +371,27 @@ def test_worker_killed_mid_job(
 # --------------------------------------------------------------------------- killing the driver
 
 
-def test_driver_killed_then_resumed(
-    ray_cluster, data: SimpleNamespace, tmp_path: Path
-) -> None:
+def test_driver_killed_then_resumed(ray_cluster, data: SimpleNamespace, tmp_path: Path) -> None:
     """A real `batchgen run` (joining this module's cluster) is SIGKILLed once it has committed
     rows; the next `batchgen run` resumes and completes exactly once."""
     job = job_for(data, tmp_path, SEEDED)
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchgen.cli", "run", str(job), "--quiet", *RAY, *SLOW,
-         "--set", "executor.address=auto"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "batchgen.cli",
+            "run",
+            str(job),
+            "--quiet",
+            *RAY,
+            *SLOW,
+            "--set",
+            "executor.address=auto",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + PROC_TIMEOUT
     try:
@@ -382,16 +423,23 @@ def test_job_yaml_with_executor_section(ray_cluster, data: SimpleNamespace, tmp_
     raw = yaml.safe_load(job.read_text())
     raw["executor"] = {"kind": "ray", "num_workers": 2, "num_cpus": 1}
     job.write_text(yaml.safe_dump(raw))
-    run_cli("run", str(job), "--quiet", "--set", "input.window_rows=4",
-            "--set", "output.commit_rows=1")
+    run_cli(
+        "run", str(job), "--quiet", "--set", "input.window_rows=4", "--set", "output.commit_rows=1"
+    )
     out = tmp_path / "out"
     assert report_of(out)["executor"] == "ray"
     # Drop the last committed part and resume locally: the fingerprint does not see executors.
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert len(manifest["parts"]) > 1
     last = manifest["parts"].pop()
-    for key in ("rows", "samples", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
-                "errors"):
+    for key in (
+        "rows",
+        "samples",
+        "prompt_tokens",
+        "cached_prompt_tokens",
+        "output_tokens",
+        "errors",
+    ):
         manifest["totals"][key] -= last[key]
     manifest["totals"]["parts"] -= 1
     manifest["finished"] = False

@@ -36,8 +36,14 @@ from tests.jobkit import read_results, run_cli, write_job
 
 ROWS = 256  # enough work that five kills land before a fast machine finishes
 N = 2
-SAMPLING = {"n": N, "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 7,
-            "ignore_eos": True}
+SAMPLING = {
+    "n": N,
+    "max_tokens": 16,
+    "temperature": 0.9,
+    "top_p": 0.95,
+    "seed": 7,
+    "ignore_eos": True,
+}
 ENGINE = {"block_size": 8, "max_num_seqs": 16}
 # Commit after every few finished rows, so kills land in and around commits often.
 FAST_COMMITS = ("--set", "output.commit_rows=4", "--set", "output.commit_seconds=0.05")
@@ -65,7 +71,8 @@ def leftovers(out: Path) -> list[str]:
     m = manifest_of(out)
     listed = {p["name"] for p in m["parts"]} if m else set()
     return sorted(
-        name for name in os.listdir(out)
+        name
+        for name in os.listdir(out)
         if name.endswith(".tmp") or (name.startswith("part-") and name not in listed)
     )
 
@@ -112,7 +119,9 @@ def start(job: Path, *args: str) -> subprocess.Popen[str]:
     """A real ``batchgen run`` in its own process."""
     return subprocess.Popen(
         [sys.executable, "-m", "batchgen.cli", "run", str(job), "--quiet", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -187,7 +196,6 @@ def crash(tiny_model, tmp_path_factory) -> SimpleNamespace:
 
 
 # --------------------------------------------------------------------------- SIGKILL
-
 
 
 def test_sigkill_anywhere_then_resume(crash: SimpleNamespace) -> None:
@@ -321,8 +329,10 @@ def test_second_sigint_exits_at_once(crash: SimpleNamespace) -> None:
     left = leftovers(out)
     assert "not finished" in run_cli("status", str(out)).output
     # (Resuming such a folder is what the SIGKILL test does at length.)
-    print(f"\n[resume] second SIGINT: exit 130 {took:.2f}s after it ({path}); "
-          f"{figures['rows']} rows kept, leftovers {left or 'none'}")
+    print(
+        f"\n[resume] second SIGINT: exit 130 {took:.2f}s after it ({path}); "
+        f"{figures['rows']} rows kept, leftovers {left or 'none'}"
+    )
 
 
 def test_second_signal_handler_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -374,7 +384,8 @@ def snapshot(out: Path) -> dict[str, tuple[int, bytes]]:
     """Every file but the lock: mtime and bytes."""
     return {
         name: ((out / name).stat().st_mtime_ns, (out / name).read_bytes())
-        for name in sorted(os.listdir(out)) if name != ".batchgen.lock"
+        for name in sorted(os.listdir(out))
+        if name != ".batchgen.lock"
     }
 
 
@@ -384,8 +395,15 @@ def test_fingerprint_through_the_cli(crash: SimpleNamespace, tmp_path: Path) -> 
     job = write_job(tmp_path, crash.model, prompts, sampling=sampling, engine={"block_size": 8})
     out = tmp_path / "out"
     # Two sequences at a time: rows finish one by one, so there are several parts.
-    run_cli("run", str(job), "--quiet", "--set", "output.commit_rows=4",
-            "--set", "engine.max_num_seqs=2")
+    run_cli(
+        "run",
+        str(job),
+        "--quiet",
+        "--set",
+        "output.commit_rows=4",
+        "--set",
+        "engine.max_num_seqs=2",
+    )
     first = read_results(out)
     assert len(first) == 16 and len(manifest_of(out)["parts"]) > 1
 
@@ -415,8 +433,9 @@ def test_fingerprint_through_the_cli(crash: SimpleNamespace, tmp_path: Path) -> 
     (other_model / "config.json").write_text(json.dumps(config))
     assert "model differs" in refusal(invoke("run", job, "--set", f"model={other_model}"))
     other_input = tmp_path / "other.parquet"
-    pq.write_table(pa.table({"id": list(range(8)), "prompt": prompts[:7] + ["changed"]}),
-                   other_input)
+    pq.write_table(
+        pa.table({"id": list(range(8)), "prompt": prompts[:7] + ["changed"]}), other_input
+    )
     assert "input differs" in refusal(invoke("run", job, "--set", f"input.path={other_input}"))
     assert "input differs" in refusal(invoke("run", job, "--set", "input.id_column=null"))
     line = refusal(invoke("run", job, "--set", "sampling.n=3", "--set", f"model={other_model}"))
@@ -428,9 +447,17 @@ def test_fingerprint_through_the_cli(crash: SimpleNamespace, tmp_path: Path) -> 
     last = manifest_of(out)["parts"][-1]
     (out / last["name"]).unlink()
     result = run_cli(
-        "run", str(job), "--quiet", "--set", "engine.block_size=4",
-        "--set", "engine.max_num_seqs=3", "--set", "engine.max_num_batched_tokens=24",
-        "--set", "output.commit_rows=1000",
+        "run",
+        str(job),
+        "--quiet",
+        "--set",
+        "engine.block_size=4",
+        "--set",
+        "engine.max_num_seqs=3",
+        "--set",
+        "engine.max_num_batched_tokens=24",
+        "--set",
+        "output.commit_rows=1000",
     )
     assert f"batchgen: done: {last['rows']} rows" in result.stderr
     assert read_results(out) == first

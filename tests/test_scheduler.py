@@ -52,7 +52,9 @@ class FakeRunner:
         assert batch, "empty batch with work left"
         self.copies_per_step.append(len(batch.copies))
         for src, dst in batch.copies:
-            self.kv[dst * self.bs : (dst + 1) * self.bs] = self.kv[src * self.bs : (src + 1) * self.bs]
+            self.kv[dst * self.bs : (dst + 1) * self.bs] = self.kv[
+                src * self.bs : (src + 1) * self.bs
+            ]
         draws = []
         for chunk in batch.chunks:
             seq = chunk.seq
@@ -67,19 +69,31 @@ class FakeRunner:
                     entry = self.kv[seq.block_table[p // self.bs] * self.bs + p % self.bs]
                     assert entry is not None and entry[0] == p, f"stale KV at position {p}"
                     context.append(entry[1])
-                draws.append([Draw(next_token(tuple(context), t.rng_key), 0.0) for t in seq.targets])
+                draws.append(
+                    [Draw(next_token(tuple(context), t.rng_key), 0.0) for t in seq.targets]
+                )
         finished = self.sched.update(batch, draws)
         self.sched.check()
         return finished
 
 
-def run_all(requests, *, num_blocks=64, block_size=4, max_num_seqs=8, budget=32,
-            max_model_len=10_000, caching=True):
+def run_all(
+    requests,
+    *,
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    budget=32,
+    max_model_len=10_000,
+    caching=True,
+):
     pool = BlockPool(num_blocks)
     cache = RadixCache(pool, block_size) if caching else NullCache(block_size)
     sched = Scheduler(
         SchedulerConfig(block_size, max_num_seqs, budget, max_model_len, watermark_blocks=1),
-        pool, cache, eos_token_ids=(EOS,),
+        pool,
+        cache,
+        eos_token_ids=(EOS,),
     )
     runner = FakeRunner(sched, num_blocks, block_size)
     for r in requests:
@@ -123,7 +137,9 @@ def check_against_reference(reqs, results, max_len=10_000):
 @pytest.mark.parametrize("n", [1, 3])
 def test_results_match_reference_under_any_memory(caching, num_blocks, n):
     rng = random.Random(num_blocks * 10 + n)
-    prefixes = [tuple(rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 14))) for _ in range(3)]
+    prefixes = [
+        tuple(rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 14))) for _ in range(3)
+    ]
     params = SamplingParams(n=n, max_tokens=12, ignore_eos=True)
     reqs = make_requests(rng, 20, n, params, prefixes)
     results, sched, _ = run_all(reqs, num_blocks=num_blocks, caching=caching)

@@ -68,8 +68,14 @@ class Engine:
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
         # the torch path must see finite values.
         self.kv_cache = torch.zeros(
-            info.num_layers, 2, config.num_blocks, config.block_size, info.num_kv_heads,
-            info.head_dim, dtype=dtype, device=device,
+            info.num_layers,
+            2,
+            config.num_blocks,
+            config.block_size,
+            info.num_kv_heads,
+            info.head_dim,
+            dtype=dtype,
+            device=device,
         )
         self.pool = BlockPool(config.num_blocks)
         cache = make_prefix_cache(self.pool, config.block_size, config.prefix_caching)
@@ -152,7 +158,12 @@ class Engine:
         for chunk in batch.chunks:
             if chunk.samples:
                 k = len(chunk.seq.targets)
-                draws.append([Draw(t, lp) for t, lp in zip(tokens[i : i + k], logprobs[i : i + k], strict=True)])
+                draws.append(
+                    [
+                        Draw(t, lp)
+                        for t, lp in zip(tokens[i : i + k], logprobs[i : i + k], strict=True)
+                    ]
+                )
                 i += k
         return draws
 

@@ -338,5 +338,6 @@ class Scheduler:
         for seq in self.waiting:
             assert not seq.block_table and seq.num_computed == 0
         for b, count in enumerate(holders):
-            assert self.pool.refcount(b) == count, f"block {b}: refcount {self.pool.refcount(b)}, holders {count}"
-
+            assert self.pool.refcount(b) == count, (
+                f"block {b}: refcount {self.pool.refcount(b)}, holders {count}"
+            )

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from batchgen.model import cpu_attention
+
 __all__ = [
     "AttentionMetadata",
     "AttentionBackend",
@@ -95,6 +97,9 @@ _EXTEND = 2  # new tokens after cached keys: gathered keys, explicit offset-caus
 _GROUP_OVERHEAD = 8192
 # Decode/extend groups gather and attend in chunks of sequences of about this many K+V bytes.
 _GATHER_CHUNK_BYTES = 16 << 20
+# Sequences with cached keys and at most this many new tokens go to the C kernel (native plans);
+# longer extends are faster gathered into SDPA, whose tiled matmuls beat the kernel's row loop.
+_NATIVE_MAX_Q = 8
 # A shared prefix becomes a cascade when it saves at least this many gathered key positions.
 _CASCADE_MIN_SAVED = 256
 
@@ -146,6 +151,9 @@ class TorchAttentionPlan:
     num_tokens: int
     groups: list[_Group]
     cascades: list[_Cascade]
+    # the C kernel's share (``native`` plans): decodes and short extends, in one call
+    native_seqs: Tensor | None = None  # [m] int32 sequence indices
+    k_start: Tensor | None = None  # [B] int32 first key each sequence attends to (cascades)
 
 
 def _split_groups(
@@ -209,9 +217,17 @@ def _find_cascades(
 
 
 def build_torch_plan(
-    meta: AttentionMetadata, block_size: int, group: int, dtype: torch.dtype
+    meta: AttentionMetadata,
+    block_size: int,
+    group: int,
+    dtype: torch.dtype,
+    native: bool = False,
 ) -> TorchAttentionPlan:
     """Turn the step metadata into padded groups (and cascades) with gather indices and masks.
+
+    ``native``: sequences with cached keys and at most ``_NATIVE_MAX_Q`` new tokens (decodes,
+    short extends) go to the C kernel, which reads the paged cache in place, instead of into
+    gathered groups; fresh prefills and longer extends stay with SDPA.
 
     One host sync per step (the B+1 offsets and B lengths, and the block-table rows of cascade
     candidates); the index tensors are built with vectorized ops on the metadata's device.
@@ -239,6 +255,7 @@ def build_torch_plan(
     rel_k = [k_lens[b] - start[b] for b in range(num_seqs)]  # keys each group attends to
 
     classes: dict[tuple[int, bool], list[int]] = {}
+    native_seqs: list[int] = []
     for b in range(num_seqs):
         member = start[b] > 0
         if q_lens[b] == 1:
@@ -247,7 +264,10 @@ def build_torch_plan(
             kind = _FRESH
         else:
             kind = _EXTEND
-        classes.setdefault((kind, member), []).append(b)
+        if native and kind != _FRESH and q_lens[b] <= _NATIVE_MAX_Q:
+            native_seqs.append(b)
+        else:
+            classes.setdefault((kind, member), []).append(b)
 
     groups: list[_Group] = []
     for (kind, member), class_seqs in sorted(classes.items()):
@@ -301,7 +321,12 @@ def build_torch_plan(
             groups.append(
                 _Group(kind, n, max_q, max_k, member, q_index, k_slots, mask, out_select, out_rows)
             )
-    return TorchAttentionPlan(block_size, group, dtype, num_tokens, groups, cascades)
+    plan = TorchAttentionPlan(block_size, group, dtype, num_tokens, groups, cascades)
+    if native_seqs:
+        plan.native_seqs = torch.tensor(native_seqs, dtype=torch.int32)
+        if cascades:
+            plan.k_start = torch.tensor(start, dtype=torch.int32)
+    return plan
 
 
 def _attend_lse(
@@ -324,15 +349,18 @@ def _attend_lse(
 
 
 class TorchAttention:
-    """Pure-PyTorch paged attention (the CPU production path).
+    """PyTorch paged attention (the CPU production path).
 
-    Holds grow-only gather buffers reused by every layer and step (a fresh allocation of tens of
-    MB per gather costs more in page faults than the copy itself), so one instance must not run
-    two forward passes concurrently.
+    On CPU tensors in fp32, decode and extend sequences run in the C kernel of
+    :mod:`batchgen.model.cpu_attention` (reads the paged cache in place) when it can be built;
+    ``native=False`` keeps everything in PyTorch. Holds grow-only gather buffers reused by every
+    layer and step (a fresh allocation of tens of MB per gather costs more in page faults than
+    the copy itself), so one instance must not run two forward passes concurrently.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
         self._workspace: dict[str, Tensor] = {}
+        self._native = cpu_attention.load() if native else None
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         numel = math.prod(shape)
@@ -368,25 +396,49 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         block_size = k_cache.shape[1]
 
+        native = self._native is not None and q.device.type == "cpu" and q.dtype == torch.float32
         # write the new K/V; caches viewed as [num_slots, Hkv, D]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
-
+        if native:
+            assert self._native is not None
+            self._native.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            k_flat.index_copy_(0, meta.slot_mapping, k)
+            v_flat.index_copy_(0, meta.slot_mapping, v)
         plan = meta.torch_plan
         if plan is None or (plan.block_size, plan.group, plan.dtype) != (
             block_size,
             group,
             q.dtype,
         ):
-            plan = build_torch_plan(meta, block_size, group, q.dtype)
+            plan = build_torch_plan(meta, block_size, group, q.dtype, native)
             meta.torch_plan = plan
 
-        if len(plan.groups) == 1 and plan.groups[0].q_index is None and not plan.cascades:
+        if (
+            len(plan.groups) == 1
+            and plan.groups[0].q_index is None
+            and not plan.cascades
+            and plan.native_seqs is None
+        ):
             return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale)[0]
         out = q.new_empty(num_tokens, num_heads, head_dim)
         lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if plan.cascades else None
+        if plan.native_seqs is not None:
+            assert self._native is not None
+            self._native(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                plan.native_seqs,
+                out,
+                scale,
+                k_start=plan.k_start,
+                lse=lse_all,
+            )
         for g in plan.groups:
             o, lse = self._group(g, q, k, v, k_flat, v_flat, scale)  # [n*max_q, Hq, D], [.., Hq]
             if g.out_select is not None:

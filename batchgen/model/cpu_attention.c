@@ -1,0 +1,394 @@
+/* Paged attention for CPUs, reading K/V in place from the block-paged cache (no gather copy).
+ *
+ * Built and loaded at run time by cpu_attention.py (cc -O3 -march=native -fopenmp), called
+ * through ctypes. fp32 only.
+ *
+ * Layouts (all fp32 / int32, row-major):
+ *   q        [T, Hq, D]   row t at q + t*q_stride, head h at + h*D (heads contiguous)
+ *   k_cache  [num_blocks, block_size, Hkv, D] (v_cache the same); slot s = block*block_size + off
+ *   block_tables [B, bt_stride]: block ids of sequence b, in position order
+ *   cu_seqlens_q [B+1]: new tokens of sequence b are q rows cu[b]..cu[b+1]-1
+ *   seq_lens [B]: keys of sequence b after this step (cached + new, all already in the cache)
+ *   k_start  [B] or NULL: first key position sequence b attends to (a cascade's shared prefix
+ *            is handled elsewhere and skipped here); 0 when NULL
+ *   seqs     [m]: the sequences to compute (others are left untouched)
+ *   out      [T, Hq, D] contiguous; lse [T, Hq] contiguous or NULL
+ *
+ * New token i of sequence b (q row cu[b]+i) sits at position p = seq_lens[b] - q_len + i and
+ * attends to keys k_start[b] .. p. Query head h uses KV head h / (Hq/Hkv). When a row sees no
+ * key at all, out is 0 and lse is -inf.
+ *
+ * Work items are (sequence, KV head) pairs; the G = Hq/Hkv query heads of a KV head are
+ * processed together so each key and value row is read once per query token.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const float *q;
+    const float *k_cache;
+    const float *v_cache;
+    const int32_t *block_tables;
+    const int32_t *cu_seqlens_q;
+    const int32_t *seq_lens;
+    const int32_t *k_start;
+    const int32_t *seqs;
+    float *out;
+    float *lse;
+    int64_t q_stride;
+    int64_t bt_stride;
+    int num_heads;
+    int num_kv_heads;
+    int head_dim;
+    int block_size;
+    int max_keys; /* longest key range of any selected sequence (scratch size) */
+    float scale;
+} Args;
+
+typedef struct {
+    const Args *a;
+    int64_t item_begin, item_end; /* items i = seq_index * Hkv + kv_head */
+    int failed;
+} Task;
+
+/* keys ahead of the current one whose K/V rows are prefetched */
+#define PREFETCH 16
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+
+/* exp(x) lane-wise for x <= 0: x = n*ln2 + r, |r| <= ln2/2, e^r by its degree-7 Taylor polynomial
+ * (relative error < 1e-8, below fp32 rounding), 2^n through the exponent bits; 0 below -87. */
+static inline v16 exp16_nonpos(v16 x) {
+    vi16 under = x < -87.0f;                    /* -1 where e^x underflows */
+    v16 xc = (v16)(((vi16)x & ~under) | ((vi16)((v16){0} - 87.0f) & under));
+    v16 t = xc * 1.44269504088896341f + 0.5f;
+    vi16 ni = __builtin_convertvector(t, vi16); /* truncates toward zero */
+    ni += (vi16)(__builtin_convertvector(ni, v16) > t); /* floor: -1 where truncation went up */
+    v16 n = __builtin_convertvector(ni, v16);
+    v16 r = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+    v16 p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    v16 two_n = (v16)((ni + 127) << 23);
+    return (v16)((vi16)(p * two_n) & ~under);
+}
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static inline v16 max16(v16 a, v16 b) {
+    vi16 gt = b > a;
+    return (v16)(((vi16)b & gt) | ((vi16)a & ~gt));
+}
+
+/* s[0..n) <- softmax(s) in place (n >= 1); *lse <- log(sum(exp(s))) when lse is not NULL. */
+static void softmax_row(float *s, int n, float *lse) {
+    const int full = n & ~15;
+    float tail[16];
+    const int rest = n - full;
+    for (int i = 0; i < 16; i++) tail[i] = i < rest ? s[full + i] : -INFINITY;
+    v16 mv = load16(tail);
+    for (int j = 0; j < full; j += 16) mv = max16(mv, load16(s + j));
+    float m = mv[0];
+    for (int i = 1; i < 16; i++) m = mv[i] > m ? mv[i] : m;
+    v16 sum = {0};
+    for (int j = 0; j < full; j += 16) {
+        v16 e = exp16_nonpos(load16(s + j) - m);
+        store16(s + j, e);
+        sum += e;
+    }
+    v16 et = exp16_nonpos(load16(tail) - m); /* -inf lanes give 0 */
+    sum += et;
+    float total = 0.0f;
+    for (int i = 0; i < 16; i++) total += sum[i];
+    if (lse) *lse = m + logf(total);
+    const float inv = 1.0f / total;
+    for (int j = 0; j < full; j += 16) store16(s + j, load16(s + j) * inv);
+    et *= inv;
+    for (int i = 0; i < rest; i++) s[full + i] = et[i];
+}
+
+/* r[i] = sum of the 16 lanes of a[i], i < 16: a transpose-and-add tree (15 vector adds). */
+static inline v16 hsum16(const v16 *a) {
+    v16 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: a[2i] partial, 8-15: a[2i+1] partial */
+        t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                       19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* 4-lane partials of 4 vectors */
+        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                       22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* 2-lane partials of 8 vectors */
+        w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                       22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                   28, 30) +
+           __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                   29, 31);
+}
+
+/* scores[g*n + j] = qs[g] . k_j for the n keys at k_base + key_off[j].
+ * Keys go in chunks of 16/G so that one hsum16 reduces all G x (16/G) dot products of a chunk
+ * and each key row is loaded once. G (a divisor of 16) and D (a multiple of 16) are
+ * compile-time constants at each call site (always inlined): the loops unroll into registers. */
+static inline __attribute__((always_inline)) void qk_v16(const float *qs, const float *k_base,
+                                                         const int64_t *key_off, int n,
+                                                         const int G, const int D,
+                                                         float *scores) {
+    const int KPC = 16 / G; /* keys per chunk */
+    for (int j0 = 0; j0 < n; j0 += KPC) {
+        v16 acc[16];
+        for (int jj = 0; jj < KPC; jj++) { /* key rows come from scattered blocks: prefetch */
+            const float *ahead = k_base + key_off[j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1];
+            for (int c = 0; c < D; c += 16) __builtin_prefetch(ahead + c);
+        }
+        for (int jj = 0; jj < KPC; jj++) {
+            /* past the last key: reread it (the lanes are dropped below) */
+            const float *kp = k_base + key_off[j0 + jj < n ? j0 + jj : n - 1];
+            v16 kv[D / 16];
+            for (int c = 0; c < D / 16; c++) kv[c] = load16(kp + 16 * c);
+            for (int g = 0; g < G; g++) {
+                v16 s = load16(qs + g * D) * kv[0];
+                for (int c = 1; c < D / 16; c++) s += load16(qs + g * D + 16 * c) * kv[c];
+                acc[jj * G + g] = s;
+            }
+        }
+        float r[16];
+        store16(r, hsum16(acc));
+        const int m = n - j0 < KPC ? n - j0 : KPC;
+        for (int jj = 0; jj < m; jj++)
+            for (int g = 0; g < G; g++) scores[g * n + j0 + jj] = r[jj * G + g];
+    }
+}
+
+/* out rows g (out + g*D) = sum_j scores[g*n + j] v_j; G, D compile-time constants as above. */
+static inline __attribute__((always_inline)) void pv_v16(const float *scores, const float *v_base,
+                                                         const int64_t *key_off, int n,
+                                                         const int G, const int D, float *out) {
+    v16 o[G][D / 16];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < D / 16; c++) o[g][c] = (v16){0};
+    for (int j = 0; j < n; j++) {
+        const float *vp = v_base + key_off[j];
+        const float *ahead = v_base + key_off[j + PREFETCH < n ? j + PREFETCH : n - 1];
+        for (int c = 0; c < D; c += 16) __builtin_prefetch(ahead + c);
+        v16 vv[D / 16];
+        for (int c = 0; c < D / 16; c++) vv[c] = load16(vp + 16 * c);
+        for (int g = 0; g < G; g++) {
+            const float p = scores[g * n + j];
+            for (int c = 0; c < D / 16; c++) o[g][c] += p * vv[c];
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < D / 16; c++) store16(out + g * D + 16 * c, o[g][c]);
+}
+
+/* One query token of one (sequence, KV head): G rows of q against n keys whose rows start at
+ * k_cache/v_cache + key_off[j] + kv_head*D. With fast = 1, G divides 16 and D is a multiple of
+ * 16, both compile-time constants (see attend_row_group_dispatch). */
+static inline __attribute__((always_inline)) void attend_row_group(
+    const Args *a, const int64_t *key_off, int n, const float *q_row, int kv_head,
+    float *out_row, float *lse_row, float *scores, float *qs, float *acc, const int G,
+    const int D, const int fast) {
+    const float *k_base = a->k_cache + (int64_t)kv_head * D;
+    const float *v_base = a->v_cache + (int64_t)kv_head * D;
+    float *out_h = out_row + (int64_t)kv_head * G * D; /* the G heads of this KV head */
+    if (n <= 0) {
+        memset(out_h, 0, sizeof(float) * G * D);
+        if (lse_row)
+            for (int g = 0; g < G; g++) lse_row[kv_head * G + g] = -INFINITY;
+        return;
+    }
+    /* qs[g][d] = q * scale */
+    const float *q_h = q_row + (int64_t)kv_head * G * D;
+#pragma omp simd
+    for (int i = 0; i < G * D; i++) qs[i] = q_h[i] * a->scale;
+    /* scores[g][j] = qs[g] . k_j */
+    if (fast) {
+        qk_v16(qs, k_base, key_off, n, G, D, scores);
+    } else {
+        for (int j = 0; j < n; j++) {
+            const float *kp = k_base + key_off[j];
+            for (int g = 0; g < G; g++) {
+                const float *qg = qs + g * D;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < D; d++) s += qg[d] * kp[d];
+                scores[g * n + j] = s;
+            }
+        }
+    }
+    /* softmax per row, normalized in place */
+    for (int g = 0; g < G; g++)
+        softmax_row(scores + g * n, n, lse_row ? lse_row + kv_head * G + g : NULL);
+    /* out[g] = sum_j p[g][j] v_j */
+    if (fast) {
+        pv_v16(scores, v_base, key_off, n, G, D, out_h);
+        return;
+    }
+    memset(acc, 0, sizeof(float) * G * D);
+    for (int j = 0; j < n; j++) {
+        const float *vp = v_base + key_off[j];
+        for (int g = 0; g < G; g++) {
+            const float p = scores[g * n + j];
+            float *ag = acc + g * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) ag[d] += p * vp[d];
+        }
+    }
+    memcpy(out_h, acc, sizeof(float) * G * D);
+}
+
+/* attend_row_group specialized for the common (G, D) pairs; anything else runs generic code. */
+static void attend_row_group_dispatch(const Args *a, const int64_t *key_off, int n,
+                                      const float *q_row, int kv_head, float *out_row,
+                                      float *lse_row, float *scores, float *qs, float *acc) {
+    const int G = a->num_heads / a->num_kv_heads;
+    const int D = a->head_dim;
+#define CASE(g, d)                                                                             \
+    if (G == g && D == d) {                                                                    \
+        attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, g, \
+                         d, 1);                                                                \
+        return;                                                                                \
+    }
+    CASE(1, 64) CASE(2, 64) CASE(4, 64) CASE(8, 64)
+    CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(8, 128)
+#undef CASE
+    attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, G, D, 0);
+}
+
+static void *run_task(void *arg) {
+    Task *t = (Task *)arg;
+    const Args *a = t->a;
+    const int G = a->num_heads / a->num_kv_heads;
+    const int D = a->head_dim;
+    const int bs = a->block_size;
+    const int64_t kv_row = (int64_t)a->num_kv_heads * D; /* floats per slot */
+    const size_t n_scores = (size_t)G * (a->max_keys + 16);
+    float *scratch = (float *)malloc(sizeof(float) * (n_scores + 2 * (size_t)G * D));
+    int64_t *key_off = (int64_t *)malloc(sizeof(int64_t) * ((size_t)a->max_keys + 1));
+    if (!scratch || !key_off) {
+        free(scratch);
+        free(key_off);
+        t->failed = 1;
+        return NULL;
+    }
+    float *scores = scratch;
+    float *qs = scores + n_scores;
+    float *acc = qs + (size_t)G * D;
+    int prev_b = -1;
+    for (int64_t item = t->item_begin; item < t->item_end; item++) {
+        const int b = a->seqs[item / a->num_kv_heads];
+        const int kv_head = (int)(item % a->num_kv_heads);
+        const int q0 = a->cu_seqlens_q[b];
+        const int q_len = a->cu_seqlens_q[b + 1] - q0;
+        const int seq_len = a->seq_lens[b];
+        const int k0 = a->k_start ? a->k_start[b] : 0;
+        if (b != prev_b) { /* float offset of each key's slot row, k0 .. seq_len-1 */
+            const int32_t *table = a->block_tables + (int64_t)b * a->bt_stride;
+            for (int pos = k0, j = 0; pos < seq_len; pos++, j++)
+                key_off[j] = ((int64_t)table[pos / bs] * bs + pos % bs) * kv_row;
+            prev_b = b;
+        }
+        for (int i = 0; i < q_len; i++) {
+            const int pos = seq_len - q_len + i;
+            const int64_t row = q0 + i;
+            attend_row_group_dispatch(a, key_off, pos + 1 - k0, a->q + row * a->q_stride, kv_head,
+                             a->out + row * (int64_t)a->num_heads * D,
+                             a->lse ? a->lse + row * (int64_t)a->num_heads : NULL, scores, qs, acc);
+        }
+    }
+    free(scratch);
+    free(key_off);
+    return NULL;
+}
+
+/* Returns 0 on success, nonzero when a scratch allocation or a thread start failed. */
+int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                        const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                        const int32_t *cu_seqlens_q, const int32_t *seq_lens,
+                        const int32_t *k_start, const int32_t *seqs, int num_seqs, float *out,
+                        float *lse, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                        float scale, int num_threads) {
+    if (num_seqs <= 0) return 0;
+    Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs, out, lse,
+              q_stride, bt_stride, num_heads, num_kv_heads, head_dim, block_size, 0, scale};
+    /* cost of each sequence ~ q_len * keys; split items into contiguous ranges of equal cost */
+    double total = 0.0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int b = seqs[s];
+        const int keys = seq_lens[b] - (k_start ? k_start[b] : 0);
+        if (keys > a.max_keys) a.max_keys = keys;
+        total += (double)(cu_seqlens_q[b + 1] - cu_seqlens_q[b]) * (keys + 8);
+    }
+    const int64_t num_items = (int64_t)num_seqs * num_kv_heads;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > 64) num_threads = 64;
+    if ((int64_t)num_threads > num_items) num_threads = (int)num_items;
+    Task tasks[64];
+    {
+        int t = 0;
+        double acc = 0.0;
+        tasks[0].item_begin = 0;
+        for (int s = 0; s < num_seqs && t < num_threads - 1; s++) {
+            const int b = seqs[s];
+            const int keys = seq_lens[b] - (k_start ? k_start[b] : 0);
+            const double c = (double)(cu_seqlens_q[b + 1] - cu_seqlens_q[b]) * (keys + 8);
+            /* whole KV heads of one sequence can go to different threads */
+            for (int h = 0; h < num_kv_heads && t < num_threads - 1; h++) {
+                acc += c / num_kv_heads;
+                if (acc >= total * (t + 1) / num_threads) {
+                    tasks[t].item_end = (int64_t)s * num_kv_heads + h + 1;
+                    t++;
+                    tasks[t].item_begin = tasks[t - 1].item_end;
+                }
+            }
+        }
+        num_threads = t + 1;
+        tasks[t].item_end = num_items;
+    }
+    for (int t = 0; t < num_threads; t++) {
+        tasks[t].a = &a;
+        tasks[t].failed = 0;
+    }
+    /* torch's own OpenMP runtime (libgomp.so.1, already loaded) runs the threads: its pool is
+     * warm, and no second set of threads competes with it for the cores */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+#endif
+    for (int t = 0; t < num_threads; t++) run_task(&tasks[t]);
+    int rc = 0;
+    for (int t = 0; t < num_threads; t++) rc |= tasks[t].failed;
+    return rc;
+}
+
+/* Write the step's new keys and values into the cache: row t of k (at k + t*k_stride, Hkv*D
+ * contiguous floats) goes to slot slots[t] of k_cache; the same for v. Slots < 0 are skipped. */
+void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                  float *k_cache, float *v_cache, const int64_t *slots, int64_t num_tokens,
+                  int64_t row_floats) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row_floats, k + t * k_stride, sizeof(float) * row_floats);
+        memcpy(v_cache + slot * row_floats, v + t * v_stride, sizeof(float) * row_floats);
+    }
+}

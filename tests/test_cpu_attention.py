@@ -1,0 +1,179 @@
+"""The C kernel of batchgen.model.cpu_attention against the PyTorch reference.
+
+Shapes cover the specialized (G, D) pairs and the generic path, key counts that are and are not
+multiples of 16 (the kernel's chunk) or of the block size, extends (several new tokens), a key
+start offset (cascade members) with its log-sum-exp, and a stride-padded q. Every cache slot no
+sequence uses is NaN, so a stray read shows up in the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from batchgen.kernels.reference import paged_attention_ref, store_kv_ref
+from batchgen.model import cpu_attention
+
+KERNEL = cpu_attention.load()
+pytestmark = pytest.mark.skipif(
+    KERNEL is None, reason="the CPU attention kernel cannot be built here (no C compiler?)"
+)
+
+
+def make_case(
+    hq: int, hkv: int, d: int, bs: int, q_lens: list[int], k_lens: list[int], seed: int
+) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    own = [math.ceil(k / bs) for k in k_lens]
+    num_blocks = sum(own) + 2
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0: unused (NaN)
+    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    bt = torch.zeros(len(k_lens), max(own), dtype=torch.int32)  # padding -> NaN block 0
+    for b, k_len in enumerate(k_lens):
+        blocks, perm = perm[: own[b]], perm[own[b] :]
+        bt[b, : own[b]] = torch.tensor(blocks)
+        for i in range(k_len):
+            k_cache[blocks[i // bs], i % bs] = torch.randn(hkv, d, generator=gen)
+            v_cache[blocks[i // bs], i % bs] = torch.randn(hkv, d, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    t = int(cu[-1])
+    # q as a column slice of a wider row (like the fused qkv output): row stride > Hq*D
+    q = torch.randn(t, hq + 2 * hkv, d, generator=gen)[:, :hq]
+    return dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=bt,
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(k_lens, dtype=torch.int32),
+    )
+
+
+def reference(
+    c: dict, scale: float, k_start: list[int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and log-sum-exp per row, keys from k_start[b] on (rows see keys <= their position)."""
+    q, kc, vc, bt = c["q"], c["k_cache"], c["v_cache"], c["block_tables"]
+    cu, lens = c["cu_seqlens_q"].tolist(), c["seq_lens"].tolist()
+    hq, hkv = q.shape[1], kc.shape[2]
+    bs = kc.shape[1]
+    out = torch.zeros(q.shape)
+    lse = torch.zeros(q.shape[:2])
+    for b, n in enumerate(lens):
+        start = k_start[b] if k_start else 0
+        slots = [int(bt[b, i // bs]) * bs + i % bs for i in range(n)]
+        k = kc.reshape(-1, hkv, kc.shape[-1])[slots]
+        v = vc.reshape(-1, hkv, vc.shape[-1])[slots]
+        qb = q[cu[b] : cu[b + 1]]
+        pos = torch.arange(n - qb.shape[0], n)
+        seen = (torch.arange(n)[None, :] <= pos[:, None]) & (torch.arange(n)[None, :] >= start)
+        for h in range(hq):
+            s = (qb[:, h].double() @ k[:, h // (hq // hkv)].double().T) * scale
+            s = s.masked_fill(~seen, float("-inf"))
+            out[cu[b] : cu[b + 1], h] = (s.softmax(-1) @ v[:, h // (hq // hkv)].double()).float()
+            lse[cu[b] : cu[b + 1], h] = torch.logsumexp(s, -1).float()
+    return out, lse
+
+
+# (Hq, Hkv, D, block_size): the specialized pairs G in {1,2,4,8} x D in {64,128} and generic ones
+SHAPES = [
+    (8, 2, 64, 16),
+    (8, 8, 64, 16),
+    (4, 2, 128, 8),
+    (16, 2, 128, 16),
+    (6, 2, 64, 16),  # G = 3: generic
+    (4, 1, 48, 4),  # D = 48: generic
+    (3, 3, 8, 1),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
+def test_decode_matches_reference(hq: int, hkv: int, d: int, bs: int) -> None:
+    k_lens = [1, 15, 16, 17, 31, 32, 33, 64, 100, 7 * bs, 7 * bs + 1]
+    c = make_case(hq, hkv, d, bs, [1] * len(k_lens), k_lens, seed=hq * 1000 + d + bs)
+    out = torch.full(c["q"].shape, float("nan"))
+    seqs = torch.arange(len(k_lens), dtype=torch.int32)
+    KERNEL(**c, seqs=seqs, out=out, scale=0.2)
+    ref = paged_attention_ref(**c, scale=0.2, max_seqlen_q=1, max_seqlen_k=max(k_lens))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES[:3] + SHAPES[4:6])
+def test_extend_subset_and_key_start(hq: int, hkv: int, d: int, bs: int) -> None:
+    """Several new tokens per sequence, only some sequences computed, keys from an offset."""
+    q_lens = [3, 1, 8, 2, 5]
+    k_lens = [40, 17, 8 + 3 * bs, 2 * bs, 70]
+    k_start = [16, 0, 2 * bs, bs, 35]
+    c = make_case(hq, hkv, d, bs, q_lens, k_lens, seed=7 + hq + d)
+    t = c["q"].shape[0]
+    out = torch.full((t, hq, d), -7.0)
+    lse = torch.full((t, hq), -7.0)
+    seqs = torch.tensor([0, 2, 3, 4], dtype=torch.int32)  # sequence 1 is not ours
+    ks = torch.tensor(k_start, dtype=torch.int32)
+    KERNEL(**c, seqs=seqs, out=out, scale=0.3, k_start=ks, lse=lse)
+    ref, ref_lse = reference(c, 0.3, k_start)
+    cu = c["cu_seqlens_q"].tolist()
+    mine = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in seqs.tolist()])
+    torch.testing.assert_close(out[mine], ref[mine], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[mine], ref_lse[mine], atol=2e-5, rtol=1e-5)
+    untouched = torch.arange(cu[1], cu[2])
+    assert (out[untouched] == -7.0).all() and (lse[untouched] == -7.0).all()
+
+
+def test_extremes_and_many_threads() -> None:
+    """Huge logits (one key dominates: exp underflows to 0 for the rest), a sequence much longer
+    than the others, and more threads than work items."""
+    c = make_case(8, 2, 64, 16, [1, 1, 1], [3, 1000, 20], seed=3)
+    c["q"] = c["q"] * 200.0
+    out = torch.empty(c["q"].shape)
+    seqs = torch.arange(3, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(7)
+        KERNEL(**c, seqs=seqs, out=out, scale=0.125)
+    finally:
+        torch.set_num_threads(threads)
+    ref = paged_attention_ref(**c, scale=0.125, max_seqlen_q=1, max_seqlen_k=1000)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_store_kv_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    kc = torch.randn(6, 4, 2, 8, generator=gen)
+    vc = torch.randn(6, 4, 2, 8, generator=gen)
+    kv = torch.randn(5, 3, 2, 8, generator=gen)  # k and v as column slices of one buffer
+    k, v = kv[:, 0], kv[:, 2]
+    slots = torch.tensor([3, 0, -1, 23, 9])
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kv_ref(k, v, want_k, want_v, slots)
+    KERNEL.store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_rejects_unsupported_inputs() -> None:
+    c = make_case(4, 2, 64, 16, [1], [5], seed=1)
+    out = torch.empty(c["q"].shape)
+    seqs = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="unsupported"):
+        KERNEL(**{**c, "q": c["q"].double()}, seqs=seqs, out=out, scale=1.0)
+    with pytest.raises(ValueError, match="unsupported"):
+        KERNEL(**{**c, "seq_lens": c["seq_lens"].long()}, seqs=seqs, out=out, scale=1.0)
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHGEN_CPU_KERNEL", "0")
+    monkeypatch.setattr(cpu_attention, "_tried", False)
+    monkeypatch.setattr(cpu_attention, "_loaded", None)
+    assert cpu_attention.load() is None
+
+
+def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "_tried", False)
+    monkeypatch.setattr(cpu_attention, "_loaded", None)
+    assert cpu_attention.load() is None
