@@ -159,11 +159,27 @@ def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= 1e-4 * max(scale, 1.0), f"max abs err {err:.3g} at logit scale {scale:.3g}"
 
 
+def use_native(native: bool, monkeypatch: pytest.MonkeyPatch) -> TorchAttention:
+    """The attention backend for a test, with the C kernels on (when they can be built here) or
+    off everywhere (attention, RMSNorm, RoPE, SwiGLU: the pure-PyTorch path)."""
+    from batchgen.model import cpu_kernels, llama
+
+    if native and cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels cannot be built here (no C compiler?)")
+    if not native:
+        monkeypatch.setattr(llama, "_native", lambda x: None)
+    return TorchAttention(native=native)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_paged_logits_match_transformers(name: str, model_dirs: dict[str, Path]) -> None:
+def test_paged_logits_match_transformers(
+    name: str, native: bool, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     kw, block_size = CASES[name]
     model_dir = model_dirs[name]
-    model, info = load_model(model_dir, CPU, torch.float32, TorchAttention())
+    attention = use_native(native, monkeypatch)
+    model, info = load_model(model_dir, CPU, torch.float32, attention)
     gen = torch.Generator().manual_seed(len(name))
     schedules = schedules_for(block_size)
     seqs = [torch.randint(0, info.vocab_size, (sum(c),), generator=gen).tolist() for c in schedules]
@@ -172,15 +188,17 @@ def test_paged_logits_match_transformers(name: str, model_dirs: dict[str, Path])
         assert_close_logits(o, r)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_shared_prefix_blocks_match_transformers(
-    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    native: bool, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sequences that reuse another's cached prefix blocks (prefix cache, forks); with the
     cascade threshold at 0, their decode and extend steps go through the cascade path."""
     from batchgen.model import attention
 
     monkeypatch.setattr(attention, "_CASCADE_MIN_SAVED", 0)
-    model, info = load_model(model_dirs["llama"], CPU, torch.float32, TorchAttention())
+    backend = use_native(native, monkeypatch)
+    model, info = load_model(model_dirs["llama"], CPU, torch.float32, backend)
     gen = torch.Generator().manual_seed(5)
     bs = 4
     prefix = torch.randint(0, info.vocab_size, (3 * bs + 1,), generator=gen).tolist()
@@ -297,9 +315,9 @@ def test_torch_attention_matches_reference(
     """Mixed batches through every path: decode, fresh prefill, extend, padded groups, and
     cascades over shared prefix blocks; unused cache blocks are NaN. ``native``: decode and
     extend sequences in the C kernel (reading the paged cache in place), the rest in PyTorch."""
-    from batchgen.model import attention, cpu_attention
+    from batchgen.model import attention, cpu_kernels
 
-    if native and cpu_attention.load() is None:
+    if native and cpu_kernels.load() is None:
         pytest.skip("the CPU attention kernel cannot be built here (no C compiler?)")
 
     if tuning != "default":

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchgen.model import cpu_attention
+from batchgen.model import cpu_kernels
 
 __all__ = [
     "AttentionMetadata",
@@ -352,7 +352,7 @@ class TorchAttention:
     """PyTorch paged attention (the CPU production path).
 
     On CPU tensors in fp32, decode and extend sequences run in the C kernel of
-    :mod:`batchgen.model.cpu_attention` (reads the paged cache in place) when it can be built;
+    :mod:`batchgen.model.cpu_kernels` (reads the paged cache in place) when it can be built;
     ``native=False`` keeps everything in PyTorch. Holds grow-only gather buffers reused by every
     layer and step (a fresh allocation of tens of MB per gather costs more in page faults than
     the copy itself), so one instance must not run two forward passes concurrently.
@@ -360,7 +360,7 @@ class TorchAttention:
 
     def __init__(self, native: bool = True) -> None:
         self._workspace: dict[str, Tensor] = {}
-        self._native = cpu_attention.load() if native else None
+        self._native = cpu_kernels.load() if native else None
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         numel = math.prod(shape)
@@ -426,7 +426,7 @@ class TorchAttention:
         lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if plan.cascades else None
         if plan.native_seqs is not None:
             assert self._native is not None
-            self._native(
+            self._native.paged_attention(
                 q,
                 k_cache,
                 v_cache,

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from batchgen.model import cpu_kernels
 from batchgen.model.attention import AttentionBackend, AttentionMetadata
+from batchgen.model.cpu_kernels import CpuKernels
 
 __all__ = ["RopeConfig", "ModelConfig", "LlamaForCausalLM", "rope_inv_freq"]
 
@@ -140,26 +142,40 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        native = _native(x)
+        if native is not None and x.stride(-1) == 1 and self.weight.dtype == torch.float32:
+            return native.rms_norm(x, self.weight, self.eps)  # one pass over x
         if x.dtype == torch.float32:
-            # One fused kernel (same maths as below) instead of five passes over x.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE. x ``[T, H, D]``; cos/sin ``[T, 1, D/2]`` (the halves of HF's tables).
+def _native(x: Tensor) -> CpuKernels | None:
+    """The C kernels for CPU fp32 tensors, when they could be built; else None (PyTorch ops)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return cpu_kernels.load()
+    return None
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE in place; returns x. x ``[T, H, D]`` (heads of a row contiguous, any row
+    stride: a column slice of qkv); cos/sin ``[T, D/2]`` (the halves of HF's tables).
 
     ``x1*c - x2*s`` and ``x2*c + x1*s`` equal HF's ``x*cos + rotate_half(x)*sin`` exactly.
     """
+    native = _native(x)
+    if native is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        native.rope_(x, cos, sin)
+        return x
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=o1).sub_(x2 * sin)
-    torch.mul(x2, cos, out=o2).add_(x1 * sin)
-    return out
+    c, s = cos[:, None], sin[:, None]  # [T, 1, D/2]
+    x1_old = x1.clone()
+    x1.mul_(c).sub_(x2 * s)
+    x2.mul_(c).add_(x1_old * s)
+    return x
 
 
 class LlamaAttention(nn.Module):
@@ -195,14 +211,14 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) * D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         if self.q_norm is None:
-            # q and k rotated together: one set of elementwise ops instead of two
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
+            # q and k rotated together, in place in qkv (ours alone)
+            qk = rope_(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         else:
             assert self.k_norm is not None
             q = self.q_norm(qkv[:, : self.q_size].view(t, hq, d))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rope_(q, cos, sin), rope_(k, cos, sin)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -218,6 +234,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
+        native = _native(gate_up)
+        if native is not None and gate_up.is_contiguous():
+            return self.down_proj(native.silu_mul(gate_up))  # one pass
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
         # in place: no new [T, I] buffers (inference only; gate_up is ours alone)
         F.silu(gate, inplace=True)
@@ -292,8 +311,8 @@ class LlamaForCausalLM(nn.Module):
         ``[L, 2, num_blocks, block_size, Hkv, D]`` -> hidden ``[T, hidden]`` after the final norm.
         """
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos = self.rope_cos.index_select(0, positions).to(x.dtype).unsqueeze(1)  # [T, 1, D/2]
-        sin = self.rope_sin.index_select(0, positions).to(x.dtype).unsqueeze(1)
+        cos = self.rope_cos.index_select(0, positions).to(x.dtype)  # [T, D/2]
+        sin = self.rope_sin.index_select(0, positions).to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
         return self.norm(x)

@@ -1,4 +1,4 @@
-"""The C kernel of batchgen.model.cpu_attention against the PyTorch reference.
+"""The C kernel of batchgen.model.cpu_kernels against the PyTorch reference.
 
 Shapes cover the specialized (G, D) pairs and the generic path, key counts that are and are not
 multiples of 16 (the kernel's chunk) or of the block size, extends (several new tokens), a key
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from batchgen.kernels.reference import paged_attention_ref, store_kv_ref
-from batchgen.model import cpu_attention
+from batchgen.model import cpu_kernels
 
-KERNEL = cpu_attention.load()
+KERNEL = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(
     KERNEL is None, reason="the CPU attention kernel cannot be built here (no C compiler?)"
 )
@@ -96,7 +96,7 @@ def test_decode_matches_reference(hq: int, hkv: int, d: int, bs: int) -> None:
     c = make_case(hq, hkv, d, bs, [1] * len(k_lens), k_lens, seed=hq * 1000 + d + bs)
     out = torch.full(c["q"].shape, float("nan"))
     seqs = torch.arange(len(k_lens), dtype=torch.int32)
-    KERNEL(**c, seqs=seqs, out=out, scale=0.2)
+    KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.2)
     ref = paged_attention_ref(**c, scale=0.2, max_seqlen_q=1, max_seqlen_k=max(k_lens))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
@@ -113,7 +113,7 @@ def test_extend_subset_and_key_start(hq: int, hkv: int, d: int, bs: int) -> None
     lse = torch.full((t, hq), -7.0)
     seqs = torch.tensor([0, 2, 3, 4], dtype=torch.int32)  # sequence 1 is not ours
     ks = torch.tensor(k_start, dtype=torch.int32)
-    KERNEL(**c, seqs=seqs, out=out, scale=0.3, k_start=ks, lse=lse)
+    KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.3, k_start=ks, lse=lse)
     ref, ref_lse = reference(c, 0.3, k_start)
     cu = c["cu_seqlens_q"].tolist()
     mine = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in seqs.tolist()])
@@ -133,7 +133,7 @@ def test_extremes_and_many_threads() -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(7)
-        KERNEL(**c, seqs=seqs, out=out, scale=0.125)
+        KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.125)
     finally:
         torch.set_num_threads(threads)
     ref = paged_attention_ref(**c, scale=0.125, max_seqlen_q=1, max_seqlen_k=1000)
@@ -159,21 +159,65 @@ def test_rejects_unsupported_inputs() -> None:
     out = torch.empty(c["q"].shape)
     seqs = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="unsupported"):
-        KERNEL(**{**c, "q": c["q"].double()}, seqs=seqs, out=out, scale=1.0)
+        KERNEL.paged_attention(**{**c, "q": c["q"].double()}, seqs=seqs, out=out, scale=1.0)
     with pytest.raises(ValueError, match="unsupported"):
-        KERNEL(**{**c, "seq_lens": c["seq_lens"].long()}, seqs=seqs, out=out, scale=1.0)
+        KERNEL.paged_attention(
+            **{**c, "seq_lens": c["seq_lens"].long()}, seqs=seqs, out=out, scale=1.0
+        )
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHGEN_CPU_KERNEL", "0")
-    monkeypatch.setattr(cpu_attention, "_tried", False)
-    monkeypatch.setattr(cpu_attention, "_loaded", None)
-    assert cpu_attention.load() is None
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    assert cpu_kernels.load() is None
 
 
 def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_tried", False)
-    monkeypatch.setattr(cpu_attention, "_loaded", None)
-    assert cpu_attention.load() is None
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    assert cpu_kernels.load() is None
+
+
+@pytest.mark.parametrize("n", [8, 64, 100, 512])
+def test_rms_norm_matches_torch(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(37, n + 5, generator=gen)[:, :n] * 3.0  # strided rows
+    w = torch.randn(n, generator=gen)
+    want = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w
+    got = KERNEL.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    x3 = torch.randn(5, 4, n, generator=gen)  # per-head norm (Qwen3's q_norm / k_norm)
+    torch.testing.assert_close(
+        KERNEL.rms_norm(x3, w, 1e-6), torch.nn.functional.rms_norm(x3, (n,), w, 1e-6)
+    )
+
+
+@pytest.mark.parametrize("d", [8, 64, 128, 34])
+def test_rope_in_place_matches_torch(d: int) -> None:
+    gen = torch.Generator().manual_seed(d)
+    qkv = torch.randn(9, 7, d, generator=gen)
+    x = qkv[:, :5]  # rotate the first 5 "heads" of each row, in place
+    cos = torch.randn(9, d // 2, generator=gen)
+    sin = torch.randn(9, d // 2, generator=gen)
+    x1, x2 = x[..., : d // 2].clone(), x[..., d // 2 :].clone()
+    c, s = cos[:, None], sin[:, None]
+    want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    rest = qkv[:, 5:].clone()
+    KERNEL.rope_(x, cos, sin)
+    torch.testing.assert_close(qkv[:, :5], want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, 5:], rest)  # the other columns are untouched
+
+
+@pytest.mark.parametrize("inter", [16, 40, 1536])
+def test_silu_mul_matches_torch(inter: int) -> None:
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(11, 2 * inter, generator=gen) * 4.0
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 200.0, -200.0])  # exp over/underflow
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    got = KERNEL.silu_mul(gate_up)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=2e-6)

@@ -1,6 +1,6 @@
 /* Paged attention for CPUs, reading K/V in place from the block-paged cache (no gather copy).
  *
- * Built and loaded at run time by cpu_attention.py (cc -O3 -march=native -fopenmp), called
+ * Built and loaded at run time by cpu_kernels.py (cc -O3 -march=native -fopenmp), called
  * through ctypes. fp32 only.
  *
  * Layouts (all fp32 / int32, row-major):
@@ -390,5 +390,82 @@ void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_st
         if (slot < 0) continue;
         memcpy(k_cache + slot * row_floats, k + t * k_stride, sizeof(float) * row_floats);
         memcpy(v_cache + slot * row_floats, v + t * v_stride, sizeof(float) * row_floats);
+    }
+}
+
+/* ---- elementwise layers (one pass over the data instead of several torch ops) ---- */
+
+/* y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for rows t of width n; x rows at x + t*x_stride,
+ * y contiguous [T, n]. The sum of squares is accumulated in double. */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *y, int64_t num_rows,
+                  int64_t n, float eps) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (num_rows * n >= 32768)
+#endif
+    for (int64_t t = 0; t < num_rows; t++) {
+        const float *xr = x + t * x_stride;
+        float *yr = y + t * n;
+        double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+        const float inv = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* Rotate-half RoPE in place on x [T, H, D] (row t at x + t*x_stride, heads contiguous):
+ * x1' = x1*c - x2*s, x2' = x2*c + x1*s with (x1, x2) the two halves of each head and c, s the
+ * rows of cos/sin [T, D/2] (contiguous). */
+void rope_f32(float *x, int64_t x_stride, const float *cos_t, const float *sin_t,
+              int64_t num_tokens, int64_t num_heads, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (num_tokens * num_heads * head_dim >= 32768)
+#endif
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos_t + t * half;
+        const float *s = sin_t + t * half;
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *x1 = x + t * x_stride + h * head_dim;
+            float *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* silu(g) * u lane-wise: g * sigmoid(g) with sigmoid from e = exp(-|g|) (never overflows). */
+static inline v16 silu_mul16(v16 g, v16 u) {
+    const vi16 sign = (vi16){0} + INT32_MIN; /* the sign bit in every lane */
+    v16 e = exp16_nonpos((v16)((vi16)g | sign));
+    vi16 neg = g < 0.0f;
+    v16 num = (v16)(((vi16)e & neg) | ((vi16)(e * 0.0f + 1.0f) & ~neg)); /* e if g < 0 else 1 */
+    return g * (num / (1.0f + e)) * u;
+}
+
+/* SwiGLU activation: y[t] = silu(g[t]) * u[t] with g, u the halves of gate_up [T, 2I]
+ * (contiguous); y [T, I] contiguous, a separate buffer. */
+void silu_mul_f32(const float *gate_up, float *y, int64_t num_rows, int64_t inter) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (num_rows * inter >= 32768)
+#endif
+    for (int64_t t = 0; t < num_rows; t++) {
+        const float *g = gate_up + t * 2 * inter;
+        const float *u = g + inter;
+        float *yr = y + t * inter;
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16) store16(yr + i, silu_mul16(load16(g + i), load16(u + i)));
+        if (i < inter) {
+            float gb[16] = {0}, ub[16] = {0}, yb[16];
+            memcpy(gb, g + i, sizeof(float) * (inter - i));
+            memcpy(ub, u + i, sizeof(float) * (inter - i));
+            store16(yb, silu_mul16(load16(gb), load16(ub)));
+            memcpy(yr + i, yb, sizeof(float) * (inter - i));
+        }
     }
 }

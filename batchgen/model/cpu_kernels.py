@@ -1,11 +1,13 @@
-"""Paged attention on CPUs straight from the block-paged KV cache (``cpu_attention.c``).
+"""CPU kernels in C (``cpu_kernels.c``): paged attention straight from the block-paged KV cache,
+the K/V store, and one-pass RMSNorm, RoPE and SwiGLU.
 
 The pure-PyTorch path has to copy every sequence's keys and values out of the paged cache into
 contiguous buffers before ``scaled_dot_product_attention`` can read them: on decode steps that
-copy (and the second read it causes) is most of the attention time. This small C kernel reads the
-blocks in place. It is compiled on first use with the system C compiler into a per-user cache
-folder and called through ctypes; when no compiler is found, or ``BATCHGEN_CPU_KERNEL=0``,
-:func:`load` returns None and the caller keeps the PyTorch path.
+copy (and the second read it causes) is most of the attention time. The C kernel reads the blocks
+in place. The elementwise kernels replace chains of torch ops that each make a pass over memory.
+The library is compiled on first use with the system C compiler into a per-user cache folder and
+called through ctypes; when no compiler is found, or ``BATCHGEN_CPU_KERNEL=0``, :func:`load`
+returns None and callers keep the PyTorch path.
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["CpuAttentionKernel", "load"]
+__all__ = ["CpuKernels", "load"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_attention.c")
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -fopenmp: the library needs libgomp.so.1, which resolves to the copy torch has already loaded,
 # so the kernel's threads are torch's intra-op pool (see the C file)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 _lock = threading.Lock()
-_loaded: CpuAttentionKernel | None = None
+_loaded: CpuKernels | None = None
 _tried = False
 
 
@@ -63,12 +65,12 @@ def _compile(cc: str) -> Path:
         )
     ).hexdigest()[:16]
     folder = _cache_dir()
-    target = folder / f"cpu_attention-{key}.so"
+    target = folder / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: concurrent processes never load a half-written file
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_attention-", suffix=".so", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=folder)
     os.close(fd)
     try:
         proc = subprocess.run(
@@ -83,8 +85,9 @@ def _compile(cc: str) -> Path:
     return target
 
 
-class CpuAttentionKernel:
-    """ctypes binding of ``paged_attention_f32`` (see the C file for the exact semantics)."""
+class CpuKernels:
+    """ctypes bindings of the C functions (see the C file for their exact semantics). Each method
+    checks dtypes, shapes and strides and raises ValueError rather than pass a bad pointer."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -98,7 +101,58 @@ class CpuAttentionKernel:
         store.argtypes = [p, i64, p, i64, p, p, p, i64, i64]
         store.restype = None
         self._store = store
+        self._rms_norm = lib.rms_norm_f32
+        self._rms_norm.argtypes = [p, i64, p, p, i64, i64, ctypes.c_float]
+        self._rms_norm.restype = None
+        self._rope = lib.rope_f32
+        self._rope.argtypes = [p, i64, p, p, i64, i64, i64]
+        self._rope.restype = None
+        self._silu_mul = lib.silu_mul_f32
+        self._silu_mul.argtypes = [p, p, i64, i64]
+        self._silu_mul.restype = None
         self.path = path
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim: x ``[..., n]`` fp32 whose
+        rows are contiguous (any row stride for 2-D x), weight ``[n]`` -> new contiguous tensor."""
+        n = x.shape[-1]
+        x2 = x if x.dim() == 2 else x.reshape(-1, n)
+        if not (
+            x.dtype == weight.dtype == torch.float32
+            and x2.stride(-1) == 1
+            and weight.is_contiguous()
+            and weight.numel() == n
+        ):
+            raise ValueError("cpu rms_norm: unsupported dtypes, shapes or strides")
+        y = torch.empty(x.shape, dtype=x.dtype)
+        self._rms_norm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), y.data_ptr(),
+                       x2.shape[0], n, eps)  # fmt: skip
+        return y
+
+    def rope_(self, x: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """Rotate-half RoPE in place: x ``[T, H, D]`` fp32 with each row's heads contiguous
+        (a column slice of qkv is fine); cos/sin ``[T, D/2]`` contiguous fp32."""
+        t, h, d = x.shape
+        if not (
+            x.dtype == cos.dtype == sin.dtype == torch.float32
+            and x.stride(2) == 1
+            and x.stride(1) == d
+            and d % 2 == 0
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and cos.shape == sin.shape == (t, d // 2)
+        ):
+            raise ValueError("cpu rope: unsupported dtypes, shapes or strides")
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """SwiGLU: ``silu(gate) * up`` for gate_up ``[T, 2I]`` contiguous fp32 -> ``[T, I]``."""
+        t, two_i = gate_up.shape
+        if not (gate_up.dtype == torch.float32 and gate_up.is_contiguous() and two_i % 2 == 0):
+            raise ValueError("cpu silu_mul: unsupported dtypes, shapes or strides")
+        y = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), y.data_ptr(), t, two_i // 2)
+        return y
 
     def store_kv(
         self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
@@ -133,7 +187,7 @@ class CpuAttentionKernel:
             hkv * d,
         )
 
-    def __call__(
+    def paged_attention(
         self,
         q: Tensor,
         k_cache: Tensor,
@@ -202,7 +256,7 @@ class CpuAttentionKernel:
             raise MemoryError("cpu paged attention: out of memory for its scratch buffers")
 
 
-def load() -> CpuAttentionKernel | None:
+def load() -> CpuKernels | None:
     """The compiled kernel, or None when disabled or when it cannot be built here (logged once)."""
     global _loaded, _tried
     with _lock:
@@ -213,11 +267,11 @@ def load() -> CpuAttentionKernel | None:
             return None
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:
-            log.warning("no C compiler found: CPU attention uses the slower PyTorch path")
+            log.warning("no C compiler found: the CPU path uses slower PyTorch ops")
             return None
         try:
-            _loaded = CpuAttentionKernel(_compile(cc))
+            _loaded = CpuKernels(_compile(cc))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("could not build the CPU attention kernel (%s): using PyTorch", e)
+            log.warning("could not build the CPU kernels (%s): using PyTorch ops", e)
             _loaded = None
         return _loaded
