@@ -221,3 +221,21 @@ def test_silu_mul_matches_torch(inter: int) -> None:
     got = KERNEL.silu_mul(gate_up)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=2e-6)
+
+
+def test_uniform_noise_bit_identical_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler's noise from the C kernel equals the PyTorch formula bit for bit, for the
+    whole vocabulary and for gathered candidate ids (both the [1, K] and [S, K] forms)."""
+    from batchgen.engine import sampler
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 2**63 - 1, (33,), generator=gen)
+    keys[0], keys[1] = 0, 2**63 - 1
+    pos = torch.randint(0, 10**6, (33,), generator=gen)
+    cand = torch.randint(0, 150_000, (33, 70), generator=gen)
+    native = [sampler.uniform_noise(keys, pos, 4099), sampler._uniform_at(keys, pos, cand)]
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # the PyTorch formula
+    ref = [sampler.uniform_noise(keys, pos, 4099), sampler._uniform_at(keys, pos, cand)]
+    for got, want in zip(native, ref, strict=True):
+        assert torch.equal(got, want)
+        assert bool(((got > 0) & (got < 1)).all())

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from batchgen.engine.request import SamplingParams
+from batchgen.model import cpu_kernels
 
 # ---------------------------------------------------------------------------------------------
 # Stream keys
@@ -127,6 +128,9 @@ def _uniform_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
     vocabulary equals the same permutation of the noise over the whole vocabulary.
     """
     state = _row_state(rng_key, position)  # [S]
+    if state.device.type == "cpu" and (native := cpu_kernels.load()) is not None:
+        # the same bits from the C kernel, in one pass instead of about twenty
+        return native.uniform_noise(state, ids.contiguous(), ids.shape[1])
     z = (ids + 1) * _GAMMA + state[:, None]  # [S, K] int64, a splitmix64 counter per vocab id
     tmp = torch.empty_like(z)
     _mix64_(z, tmp)

@@ -469,3 +469,38 @@ void silu_mul_f32(const float *gate_up, float *y, int64_t num_rows, int64_t inte
         }
     }
 }
+
+/* ---- the sampler's counter-based noise (batchgen/engine/sampler.py, bit for bit) ---- */
+
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* u[r, j] for r < S, j < K: z = (ids[r, j] + 1) * GAMMA + state[r] (mod 2^64), mixed; 48 bits
+ * as hi * 2^-24 + lo * 2^-48 (one rounding), clamped to [2^-49, 1 - 2^-24]. ids row r at
+ * ids + r * ids_stride (stride 0: one row for all); NULL ids means ids[r, j] = j. */
+void uniform_noise_f32(const int64_t *state, const int64_t *ids, int64_t ids_stride,
+                       float *out, int64_t num_rows, int64_t k) {
+    const uint64_t gamma = 0x9E3779B97F4A7C15ULL;
+    const float lo_min = 0x1p-49f, hi_max = 1.0f - 0x1p-24f;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (num_rows * k >= 65536)
+#endif
+    for (int64_t r = 0; r < num_rows; r++) {
+        const uint64_t s = (uint64_t)state[r];
+        const int64_t *id_row = ids ? ids + r * ids_stride : NULL;
+        float *o = out + r * k;
+#pragma omp simd
+        for (int64_t j = 0; j < k; j++) {
+            const uint64_t id = id_row ? (uint64_t)id_row[j] : (uint64_t)j;
+            const uint64_t z = mix64((id + 1) * gamma + s);
+            const float hi = (float)(int32_t)((z >> 40) & 0xFFFFFF);
+            const float lo = (float)(int32_t)((z >> 16) & 0xFFFFFF);
+            float u = hi * 0x1p-24f + lo * 0x1p-48f;
+            u = u < lo_min ? lo_min : u;
+            o[j] = u > hi_max ? hi_max : u;
+        }
+    }
+}

@@ -110,7 +110,37 @@ class CpuKernels:
         self._silu_mul = lib.silu_mul_f32
         self._silu_mul.argtypes = [p, p, i64, i64]
         self._silu_mul.restype = None
+        self._noise = lib.uniform_noise_f32
+        self._noise.argtypes = [p, p, i64, p, i64, i64]
+        self._noise.restype = None
         self.path = path
+
+    def uniform_noise(self, state: Tensor, ids: Tensor | None, k: int) -> Tensor:
+        """The sampler's hashed uniforms (see ``uniform_noise_f32``): state ``[S]`` int64 row
+        states; ids ``[S, k]`` or ``[1, k]`` int64 with contiguous rows, or None for 0..k-1
+        -> ``[S, k]`` float32, bit-identical to the PyTorch formula in batchgen.engine.sampler."""
+        (num_rows,) = state.shape
+        if not (
+            state.dtype == torch.int64
+            and state.is_contiguous()
+            and state.device.type == "cpu"
+            and (
+                ids is None
+                or (
+                    ids.dtype == torch.int64
+                    and ids.dim() == 2
+                    and ids.shape[1] == k
+                    and ids.shape[0] in (1, num_rows)
+                    and ids.stride(1) == 1
+                )
+            )
+        ):
+            raise ValueError("cpu uniform_noise: unsupported dtypes, shapes or strides")
+        out = torch.empty(num_rows, k, dtype=torch.float32)
+        stride = 0 if ids is None or ids.shape[0] == 1 else ids.stride(0)
+        self._noise(state.data_ptr(), None if ids is None else ids.data_ptr(), stride,
+                    out.data_ptr(), num_rows, k)  # fmt: skip
+        return out
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim: x ``[..., n]`` fp32 whose
