@@ -218,7 +218,10 @@ def test_silu_mul_matches_torch(inter: int) -> None:
     gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 200.0, -200.0])  # exp over/underflow
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
     want = torch.nn.functional.silu(gate.double()) * up.double()
-    got = KERNEL.silu_mul(gate_up)
+    up_before = up.clone()
+    got = KERNEL.silu_mul_(gate_up)
+    assert got.data_ptr() == gate_up.data_ptr() and got.shape == (11, inter)  # in place
+    assert torch.equal(gate_up[:, inter:], up_before)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=2e-6)
 

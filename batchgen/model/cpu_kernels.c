@@ -448,24 +448,23 @@ static inline v16 silu_mul16(v16 g, v16 u) {
     return g * (num / (1.0f + e)) * u;
 }
 
-/* SwiGLU activation: y[t] = silu(g[t]) * u[t] with g, u the halves of gate_up [T, 2I]
- * (contiguous); y [T, I] contiguous, a separate buffer. */
-void silu_mul_f32(const float *gate_up, float *y, int64_t num_rows, int64_t inter) {
+/* SwiGLU activation in place: g[t] <- silu(g[t]) * u[t] with g, u the two halves of row t of
+ * gate_up [T, 2I] (contiguous). */
+void silu_mul_f32(float *gate_up, int64_t num_rows, int64_t inter) {
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (num_rows * inter >= 32768)
 #endif
     for (int64_t t = 0; t < num_rows; t++) {
-        const float *g = gate_up + t * 2 * inter;
+        float *g = gate_up + t * 2 * inter;
         const float *u = g + inter;
-        float *yr = y + t * inter;
         int64_t i = 0;
-        for (; i + 16 <= inter; i += 16) store16(yr + i, silu_mul16(load16(g + i), load16(u + i)));
+        for (; i + 16 <= inter; i += 16) store16(g + i, silu_mul16(load16(g + i), load16(u + i)));
         if (i < inter) {
             float gb[16] = {0}, ub[16] = {0}, yb[16];
             memcpy(gb, g + i, sizeof(float) * (inter - i));
             memcpy(ub, u + i, sizeof(float) * (inter - i));
             store16(yb, silu_mul16(load16(gb), load16(ub)));
-            memcpy(yr + i, yb, sizeof(float) * (inter - i));
+            memcpy(g + i, yb, sizeof(float) * (inter - i));
         }
     }
 }

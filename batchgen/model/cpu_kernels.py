@@ -108,7 +108,7 @@ class CpuKernels:
         self._rope.argtypes = [p, i64, p, p, i64, i64, i64]
         self._rope.restype = None
         self._silu_mul = lib.silu_mul_f32
-        self._silu_mul.argtypes = [p, p, i64, i64]
+        self._silu_mul.argtypes = [p, i64, i64]
         self._silu_mul.restype = None
         self._noise = lib.uniform_noise_f32
         self._noise.argtypes = [p, p, i64, p, i64, i64]
@@ -175,14 +175,14 @@ class CpuKernels:
             raise ValueError("cpu rope: unsupported dtypes, shapes or strides")
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d)
 
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        """SwiGLU: ``silu(gate) * up`` for gate_up ``[T, 2I]`` contiguous fp32 -> ``[T, I]``."""
+    def silu_mul_(self, gate_up: Tensor) -> Tensor:
+        """SwiGLU in place: the first half of gate_up ``[T, 2I]`` (contiguous fp32) becomes
+        ``silu(gate) * up``; returns that half, a ``[T, I]`` view with row stride 2I."""
         t, two_i = gate_up.shape
         if not (gate_up.dtype == torch.float32 and gate_up.is_contiguous() and two_i % 2 == 0):
             raise ValueError("cpu silu_mul: unsupported dtypes, shapes or strides")
-        y = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-        self._silu_mul(gate_up.data_ptr(), y.data_ptr(), t, two_i // 2)
-        return y
+        self._silu_mul(gate_up.data_ptr(), t, two_i // 2)
+        return gate_up[:, : two_i // 2]
 
     def store_kv(
         self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor

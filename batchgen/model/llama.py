@@ -236,7 +236,7 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         native = _native(gate_up)
         if native is not None and gate_up.is_contiguous():
-            return self.down_proj(native.silu_mul(gate_up))  # one pass
+            return self.down_proj(native.silu_mul_(gate_up))  # one pass, in place
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
         # in place: no new [T, I] buffers (inference only; gate_up is ours alone)
         F.silu(gate, inplace=True)
