@@ -242,3 +242,25 @@ def test_uniform_noise_bit_identical_to_torch(monkeypatch: pytest.MonkeyPatch) -
     for got, want in zip(native, ref, strict=True):
         assert torch.equal(got, want)
         assert bool(((got > 0) & (got < 1)).all())
+
+
+def test_merge_prefix_matches_torch() -> None:
+    """Mixing a shared-prefix result into rows of out equals the log-sum-exp weighted formula;
+    other rows are untouched."""
+    gen = torch.Generator().manual_seed(4)
+    t, hkv, g, d, r = 9, 2, 3, 16, 4
+    out = torch.randn(t, hkv * g, d, generator=gen)
+    lse = torch.randn(t, hkv * g, generator=gen) * 5
+    rows = torch.tensor([7, 0, 3, 8])
+    o_p = torch.randn(hkv, r, g, d, generator=gen)
+    lse_p = torch.randn(hkv, r, g, generator=gen) * 5
+    before = out.clone()
+    ls = lse[rows]  # [R, Hq]
+    lp = lse_p.permute(1, 0, 2).reshape(r, hkv * g)
+    op = o_p.permute(1, 0, 2, 3).reshape(r, hkv * g, d)
+    both = torch.logaddexp(ls, lp)
+    want = out[rows] * (ls - both).exp()[..., None] + op * (lp - both).exp()[..., None]
+    KERNEL.merge_prefix_(out, lse, rows, o_p, lse_p)
+    torch.testing.assert_close(out[rows], want, atol=1e-6, rtol=1e-5)
+    others = torch.tensor([i for i in range(t) if i not in rows.tolist()])
+    assert torch.equal(out[others], before[others])

@@ -248,7 +248,10 @@ def build_torch_plan(
         prefix_len = prefix_blocks * block_size
         for b in members:
             start[b] = prefix_len
-        rows = torch.cat([torch.arange(cu[b], cu[b + 1], device=dev) for b in members])
+        if all(q_lens[b] == 1 for b in members):  # decodes: one row each
+            rows = cu_t[torch.tensor(members, device=dev)]
+        else:
+            rows = torch.cat([torch.arange(cu[b], cu[b + 1], device=dev) for b in members])
         blocks = meta.block_tables[members[0], :prefix_blocks].to(torch.int64)
         slots = (blocks[:, None] * block_size + torch.arange(block_size, device=dev)).reshape(-1)
         cascades.append(_Cascade(rows, slots))
@@ -564,6 +567,13 @@ class TorchAttention:
         kp = self._gather("k", k_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
         vp = self._gather("v", v_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
         o_p, lse_p = _attend_lse(qp, kp, vp, None, scale)
+        if self._native is not None and out.dtype == torch.float32 and out.device.type == "cpu":
+            # one pass, reading o_p in the layout attention produced it
+            self._native.merge_prefix_(
+                out, lse_all, c.rows, o_p.view(hkv, r, grp, d).contiguous(),
+                lse_p.view(hkv, r, grp).contiguous(),
+            )  # fmt: skip
+            return
         o_p = o_p.view(hkv, r, grp, d).permute(1, 0, 2, 3).reshape(r, hq, d)
         lse_p = lse_p.view(hkv, r, grp).permute(1, 0, 2).reshape(r, hq)
         o_s = out.index_select(0, c.rows)

@@ -503,3 +503,36 @@ void uniform_noise_f32(const int64_t *state, const int64_t *ids, int64_t ids_str
         }
     }
 }
+
+/* ---- merging a shared-prefix (cascade) attention result into the per-sequence one ---- */
+
+/* For each of the R rows r (q row rows[r]) and head h = kv*G + g:
+ *   out[rows[r], h] <- softmax-weighted mix of out[rows[r], h] (log-sum-exp lse[rows[r], h]) and
+ *   o_p[kv, r, g] (log-sum-exp lse_p[kv, r, g]), i.e. attention over the union of both key sets.
+ * out [T, Hq, D] and lse [T, Hq] contiguous; o_p [Hkv, R, G, D] and lse_p [Hkv, R, G]
+ * contiguous (the layout the prefix attention produces). lse is left as it was. */
+void merge_prefix_f32(float *out, const float *lse, const int64_t *rows, int64_t num_rows,
+                      const float *o_p, const float *lse_p, int num_heads, int num_kv_heads,
+                      int head_dim) {
+    const int G = num_heads / num_kv_heads;
+    const int D = head_dim;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (num_rows * num_heads * head_dim >= 32768)
+#endif
+    for (int64_t r = 0; r < num_rows; r++) {
+        const int64_t row = rows[r];
+        for (int h = 0; h < num_heads; h++) {
+            const int kv = h / G, g = h % G;
+            const float ls = lse[row * num_heads + h];
+            const float lp = lse_p[((int64_t)kv * num_rows + r) * G + g];
+            const float m = ls > lp ? ls : lp;
+            const float ws = expf(ls - m), wp = expf(lp - m);
+            const float inv = 1.0f / (ws + wp);
+            const float a = ws * inv, b = wp * inv;
+            float *o = out + (row * num_heads + h) * D;
+            const float *p = o_p + (((int64_t)kv * num_rows + r) * G + g) * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) o[d] = a * o[d] + b * p[d];
+        }
+    }
+}

@@ -113,7 +113,32 @@ class CpuKernels:
         self._noise = lib.uniform_noise_f32
         self._noise.argtypes = [p, p, i64, p, i64, i64]
         self._noise.restype = None
+        self._merge = lib.merge_prefix_f32
+        self._merge.argtypes = [p, p, p, i64, p, p, i32, i32, i32]
+        self._merge.restype = None
         self.path = path
+
+    def merge_prefix_(
+        self, out: Tensor, lse: Tensor, rows: Tensor, o_p: Tensor, lse_p: Tensor
+    ) -> None:
+        """Mix a shared-prefix attention result into ``out`` in place (see ``merge_prefix_f32``):
+        out ``[T, Hq, D]``, lse ``[T, Hq]``, rows ``[R]`` int64, o_p ``[Hkv, R, G, D]``,
+        lse_p ``[Hkv, R, G]``; all contiguous, fp32 but rows."""
+        t, hq, d = out.shape
+        hkv, r, g, dp = o_p.shape
+        if not (
+            out.dtype == lse.dtype == o_p.dtype == lse_p.dtype == torch.float32
+            and rows.dtype == torch.int64
+            and all(x.is_contiguous() for x in (out, lse, rows, o_p, lse_p))
+            and lse.shape == (t, hq)
+            and rows.shape == (r,)
+            and lse_p.shape == (hkv, r, g)
+            and hkv * g == hq
+            and dp == d
+        ):
+            raise ValueError("cpu merge_prefix: unsupported dtypes, shapes or strides")
+        self._merge(out.data_ptr(), lse.data_ptr(), rows.data_ptr(), r, o_p.data_ptr(),
+                    lse_p.data_ptr(), hq, hkv, d)  # fmt: skip
 
     def uniform_noise(self, state: Tensor, ids: Tensor | None, k: int) -> Tensor:
         """The sampler's hashed uniforms (see ``uniform_noise_f32``): state ``[S]`` int64 row
