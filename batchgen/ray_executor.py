@@ -202,7 +202,14 @@ class Worker:
             "max_model_len": self.generator.max_model_len,
             **{
                 k: report[k]
-                for k in ("device", "dtype", "attention_backend", "kv_blocks", "kv_block_size")
+                for k in (
+                    "device",
+                    "dtype",
+                    "attention_backend",
+                    "cpu_kernels",
+                    "kv_blocks",
+                    "kv_block_size",
+                )
             },
         }
 

@@ -35,6 +35,7 @@ from batchgen.engine.request import (
 from batchgen.engine.sampler import rng_key
 from batchgen.errors import JobError
 from batchgen.job import Job, describe_fingerprint_mismatch, fingerprint
+from batchgen.model import cpu_kernels
 from batchgen.model.attention import make_attention_backend
 from batchgen.model.loader import (
     ModelInfo,
@@ -611,6 +612,10 @@ class RowGenerator:
             "device": str(self.place.device),
             "dtype": str(self.place.dtype).removeprefix("torch."),
             "attention_backend": self.place.backend,
+            # the C kernels of batchgen.model.cpu_kernels ran (CPU, fp32, a compiler was found)
+            "cpu_kernels": self.place.device.type == "cpu"
+            and self.place.dtype == torch.float32
+            and cpu_kernels.load() is not None,
         }
 
 

@@ -62,8 +62,9 @@ def chat(rows: int, rng: random.Random) -> pa.Table:
                 {"role": "user", "content": words(6, seed=9800 + i)},
             ]
         conversations.append(turns)
-    return pa.table({"conversation_id": [f"conv-{i:04d}" for i in range(rows)],
-                     "messages": conversations})
+    return pa.table(
+        {"conversation_id": [f"conv-{i:04d}" for i in range(rows)], "messages": conversations}
+    )
 
 
 def main() -> None:

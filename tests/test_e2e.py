@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from batchgen.model import cpu_kernels
 from batchgen.tiny_model import END_OF_TURN_ID, EOS_ID, make_prompts
 from tests.jobkit import read_results, run_job, write_job
 
@@ -98,6 +99,8 @@ def test_length_one_prompt_and_tight_memory_match_ample(tiny_model, tmp_path):
     report = json.loads((tmp_path / "b" / "out" / "_report.json").read_text())
     assert report["preemptions"] > 0
     assert report["kv_blocks"] == 40
+    # fp32 on the CPU: the C kernels ran whenever they can be built here
+    assert report["cpu_kernels"] is (cpu_kernels.load() is not None)
 
 
 def test_sampling_is_independent_of_order_and_engine_settings(tiny_model, tmp_path):
