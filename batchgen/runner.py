@@ -613,9 +613,7 @@ class RowGenerator:
             "dtype": str(self.place.dtype).removeprefix("torch."),
             "attention_backend": self.place.backend,
             # the C kernels of batchgen.model.cpu_kernels ran (CPU, fp32, a compiler was found)
-            "cpu_kernels": self.place.device.type == "cpu"
-            and self.place.dtype == torch.float32
-            and cpu_kernels.load() is not None,
+            "cpu_kernels": cpu_kernels.for_dtype(self.place.device, self.place.dtype) is not None,
         }
 
 

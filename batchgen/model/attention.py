@@ -248,10 +248,12 @@ def build_torch_plan(
         prefix_len = prefix_blocks * block_size
         for b in members:
             start[b] = prefix_len
-        if all(q_lens[b] == 1 for b in members):  # decodes: one row each
-            rows = cu_t[torch.tensor(members, device=dev)]
-        else:
-            rows = torch.cat([torch.arange(cu[b], cu[b + 1], device=dev) for b in members])
+        idx = torch.tensor(members, device=dev)
+        first, n_rows = cu_t[idx], cu_t[idx + 1] - cu_t[idx]  # [m]
+        total = sum(q_lens[b] for b in members)
+        # the members' q rows, concatenated: row i of member j is first[j] + (i - offset[j])
+        shift = torch.repeat_interleave(first - (n_rows.cumsum(0) - n_rows), n_rows)
+        rows = torch.arange(total, device=dev) + shift  # [R]
         blocks = meta.block_tables[members[0], :prefix_blocks].to(torch.int64)
         slots = (blocks[:, None] * block_size + torch.arange(block_size, device=dev)).reshape(-1)
         cascades.append(_Cascade(rows, slots))
@@ -363,7 +365,7 @@ class TorchAttention:
 
     def __init__(self, native: bool = True) -> None:
         self._workspace: dict[str, Tensor] = {}
-        self._native = cpu_kernels.load() if native else None
+        self._use_native = native
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         numel = math.prod(shape)
@@ -399,13 +401,12 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         block_size = k_cache.shape[1]
 
-        native = self._native is not None and q.device.type == "cpu" and q.dtype == torch.float32
+        kernels = cpu_kernels.for_dtype(q.device, q.dtype) if self._use_native else None
         # write the new K/V; caches viewed as [num_slots, Hkv, D]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        if native:
-            assert self._native is not None
-            self._native.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if kernels is not None:
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             k_flat.index_copy_(0, meta.slot_mapping, k)
             v_flat.index_copy_(0, meta.slot_mapping, v)
@@ -415,7 +416,7 @@ class TorchAttention:
             group,
             q.dtype,
         ):
-            plan = build_torch_plan(meta, block_size, group, q.dtype, native)
+            plan = build_torch_plan(meta, block_size, group, q.dtype, kernels is not None)
             meta.torch_plan = plan
 
         if (
@@ -428,8 +429,8 @@ class TorchAttention:
         out = q.new_empty(num_tokens, num_heads, head_dim)
         lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if plan.cascades else None
         if plan.native_seqs is not None:
-            assert self._native is not None
-            self._native.paged_attention(
+            assert kernels is not None  # plans are per step, and a step keeps one dtype
+            kernels.paged_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -456,7 +457,7 @@ class TorchAttention:
                 lse_all.index_copy_(0, rows, lse)
         for c in plan.cascades:
             assert lse_all is not None
-            self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale)
+            self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale, kernels)
         return out
 
     def _group(
@@ -555,8 +556,10 @@ class TorchAttention:
         out: Tensor,
         lse_all: Tensor,
         scale: float,
+        kernels: cpu_kernels.CpuKernels | None,
     ) -> None:
-        """Attend the cascade's rows to its shared prefix and merge into ``out`` in place."""
+        """Attend the cascade's rows to its shared prefix and merge into ``out`` in place
+        (``kernels``: the C merge, one pass; None: PyTorch ops)."""
         _, hq, d = q.shape
         hkv = k_flat.shape[1]
         grp = hq // hkv
@@ -567,9 +570,8 @@ class TorchAttention:
         kp = self._gather("k", k_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
         vp = self._gather("v", v_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
         o_p, lse_p = _attend_lse(qp, kp, vp, None, scale)
-        if self._native is not None and out.dtype == torch.float32 and out.device.type == "cpu":
-            # one pass, reading o_p in the layout attention produced it
-            self._native.merge_prefix_(
+        if kernels is not None:  # reads o_p in the layout attention produced it
+            kernels.merge_prefix_(
                 out, lse_all, c.rows, o_p.view(hkv, r, grp, d).contiguous(),
                 lse_p.view(hkv, r, grp).contiguous(),
             )  # fmt: skip

@@ -1,9 +1,12 @@
-/* Paged attention for CPUs, reading K/V in place from the block-paged cache (no gather copy).
+/* CPU kernels, fp32, built and loaded at run time by cpu_kernels.py (cc -O3 -march=native
+ * -fopenmp) and called through ctypes:
+ *   paged_attention_f32  attention reading K/V in place from the block-paged cache (no gather)
+ *   store_kv_f32         the step's new K/V into their cache slots
+ *   rms_norm_f32, rope_f32, silu_mul_f32   one-pass layer ops
+ *   uniform_noise_f32    the sampler's hashed uniforms (bit for bit the PyTorch formula)
+ *   merge_prefix_f32     mixing a shared-prefix attention result into the per-sequence one
  *
- * Built and loaded at run time by cpu_kernels.py (cc -O3 -march=native -fopenmp), called
- * through ctypes. fp32 only.
- *
- * Layouts (all fp32 / int32, row-major):
+ * paged_attention_f32's layouts (all fp32 / int32, row-major):
  *   q        [T, Hq, D]   row t at q + t*q_stride, head h at + h*D (heads contiguous)
  *   k_cache  [num_blocks, block_size, Hkv, D] (v_cache the same); slot s = block*block_size + off
  *   block_tables [B, bt_stride]: block ids of sequence b, in position order
@@ -275,8 +278,7 @@ static void attend_row_group_dispatch(const Args *a, const int64_t *key_off, int
     attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, G, D, 0);
 }
 
-static void *run_task(void *arg) {
-    Task *t = (Task *)arg;
+static void run_task(Task *t) {
     const Args *a = t->a;
     const int G = a->num_heads / a->num_kv_heads;
     const int D = a->head_dim;
@@ -289,7 +291,7 @@ static void *run_task(void *arg) {
         free(scratch);
         free(key_off);
         t->failed = 1;
-        return NULL;
+        return;
     }
     float *scores = scratch;
     float *qs = scores + n_scores;
@@ -318,10 +320,9 @@ static void *run_task(void *arg) {
     }
     free(scratch);
     free(key_off);
-    return NULL;
 }
 
-/* Returns 0 on success, nonzero when a scratch allocation or a thread start failed. */
+/* Returns 0 on success, nonzero when a thread's scratch allocation failed. */
 int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                         const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
                         const int32_t *cu_seqlens_q, const int32_t *seq_lens,

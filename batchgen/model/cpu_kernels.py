@@ -1,5 +1,6 @@
 """CPU kernels in C (``cpu_kernels.c``): paged attention straight from the block-paged KV cache,
-the K/V store, and one-pass RMSNorm, RoPE and SwiGLU.
+the K/V store, the merge of a shared-prefix (cascade) result, one-pass RMSNorm, RoPE and SwiGLU,
+and the sampler's hashed noise.
 
 The pure-PyTorch path has to copy every sequence's keys and values out of the paged cache into
 contiguous buffers before ``scaled_dot_product_attention`` can read them: on decode steps that
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["CpuKernels", "load"]
+__all__ = ["CpuKernels", "for_dtype", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ def _compile(cc: str) -> Path:
 
 class CpuKernels:
     """ctypes bindings of the C functions (see the C file for their exact semantics). Each method
-    checks dtypes, shapes and strides and raises ValueError rather than pass a bad pointer."""
+    checks dtypes, shapes and strides (not the index values inside its tensors: those come from
+    the engine) and raises ValueError rather than pass a mislaid pointer."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -96,7 +98,7 @@ class CpuKernels:
         fn.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i32, p, p, i32, i32, i32, i32,
                        ctypes.c_float, i32]  # fmt: skip
         fn.restype = ctypes.c_int
-        self._fn = fn
+        self._attention = fn
         store = lib.store_kv_f32
         store.argtypes = [p, i64, p, i64, p, p, p, i64, i64]
         store.restype = None
@@ -286,7 +288,7 @@ class CpuKernels:
             and hq % hkv == 0
         ):
             raise ValueError("cpu paged attention: unsupported dtypes, shapes or strides")
-        rc = self._fn(
+        rc = self._attention(
             q.data_ptr(),
             q.stride(0),
             k_cache.data_ptr(),
@@ -312,8 +314,11 @@ class CpuKernels:
 
 
 def load() -> CpuKernels | None:
-    """The compiled kernel, or None when disabled or when it cannot be built here (logged once)."""
+    """The compiled kernels, or None when disabled or when they cannot be built here (logged
+    once). Built and loaded at the first call; later calls return the same object."""
     global _loaded, _tried
+    if _tried:  # the hot path: every layer asks
+        return _loaded
     with _lock:
         if _tried:
             return _loaded
@@ -330,3 +335,11 @@ def load() -> CpuKernels | None:
             log.warning("could not build the CPU kernels (%s): using PyTorch ops", e)
             _loaded = None
         return _loaded
+
+
+def for_dtype(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
+    """The kernels for tensors of this device and dtype: CPU fp32 only, and only when they could
+    be built; None means the caller's PyTorch path."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return load()
+    return None

@@ -154,9 +154,7 @@ class RMSNorm(nn.Module):
 
 def _native(x: Tensor) -> CpuKernels | None:
     """The C kernels for CPU fp32 tensors, when they could be built; else None (PyTorch ops)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        return cpu_kernels.load()
-    return None
+    return cpu_kernels.for_dtype(x.device, x.dtype)
 
 
 def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
