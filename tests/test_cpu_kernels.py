@@ -90,19 +90,21 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
-def test_decode_matches_reference(hq: int, hkv: int, d: int, bs: int) -> None:
+def test_decode_matches_reference(hq: int, hkv: int, d: int, bs: int, tiled: bool) -> None:
     k_lens = [1, 15, 16, 17, 31, 32, 33, 64, 100, 7 * bs, 7 * bs + 1]
     c = make_case(hq, hkv, d, bs, [1] * len(k_lens), k_lens, seed=hq * 1000 + d + bs)
     out = torch.full(c["q"].shape, float("nan"))
     seqs = torch.arange(len(k_lens), dtype=torch.int32)
-    KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.2)
+    KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.2, tiled=tiled)
     ref = paged_attention_ref(**c, scale=0.2, max_seqlen_q=1, max_seqlen_k=max(k_lens))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES[:3] + SHAPES[4:6])
-def test_extend_subset_and_key_start(hq: int, hkv: int, d: int, bs: int) -> None:
+def test_extend_subset_and_key_start(hq: int, hkv: int, d: int, bs: int, tiled: bool) -> None:
     """Several new tokens per sequence, only some sequences computed, keys from an offset."""
     q_lens = [3, 1, 8, 2, 5]
     k_lens = [40, 17, 8 + 3 * bs, 2 * bs, 70]
@@ -113,7 +115,7 @@ def test_extend_subset_and_key_start(hq: int, hkv: int, d: int, bs: int) -> None
     lse = torch.full((t, hq), -7.0)
     seqs = torch.tensor([0, 2, 3, 4], dtype=torch.int32)  # sequence 1 is not ours
     ks = torch.tensor(k_start, dtype=torch.int32)
-    KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.3, k_start=ks, lse=lse)
+    KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.3, k_start=ks, lse=lse, tiled=tiled)
     ref, ref_lse = reference(c, 0.3, k_start)
     cu = c["cu_seqlens_q"].tolist()
     mine = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in seqs.tolist()])
@@ -123,7 +125,27 @@ def test_extend_subset_and_key_start(hq: int, hkv: int, d: int, bs: int) -> None
     assert (out[untouched] == -7.0).all() and (lse[untouched] == -7.0).all()
 
 
-def test_extremes_and_many_threads() -> None:
+@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
+def test_tiled_prefills_and_long_extends(hq: int, hkv: int, d: int, bs: int) -> None:
+    """The tiled kernel on fresh prefills (new tokens = keys) of lengths around the tile and
+    block sizes, and on long extends after a cached part and a key offset, with the lse."""
+    q_lens = [1, 2, 15, 16, 17, 33, 4 * bs, 130, 40, 23]
+    k_lens = [1, 2, 15, 16, 17, 33, 4 * bs, 130, 40 + 3 * bs, 23 + 77]
+    k_start = [0] * 8 + [bs, 60]
+    c = make_case(hq, hkv, d, bs, q_lens, k_lens, seed=11 + hq + d + bs)
+    t = c["q"].shape[0]
+    out = torch.full((t, hq, d), float("nan"))
+    lse = torch.full((t, hq), float("nan"))
+    seqs = torch.arange(len(q_lens), dtype=torch.int32)
+    ks = torch.tensor(k_start, dtype=torch.int32)
+    KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.25, k_start=ks, lse=lse, tiled=True)
+    ref, ref_lse = reference(c, 0.25, k_start)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
+def test_extremes_and_many_threads(tiled: bool) -> None:
     """Huge logits (one key dominates: exp underflows to 0 for the rest), a sequence much longer
     than the others, and more threads than work items."""
     c = make_case(8, 2, 64, 16, [1, 1, 1], [3, 1000, 20], seed=3)
@@ -133,7 +155,7 @@ def test_extremes_and_many_threads() -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(7)
-        KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.125)
+        KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.125, tiled=tiled)
     finally:
         torch.set_num_threads(threads)
     ref = paged_attention_ref(**c, scale=0.125, max_seqlen_q=1, max_seqlen_k=1000)
@@ -264,3 +286,53 @@ def test_merge_prefix_matches_torch() -> None:
     torch.testing.assert_close(out[rows], want, atol=1e-6, rtol=1e-5)
     others = torch.tensor([i for i in range(t) if i not in rows.tolist()])
     assert torch.equal(out[others], before[others])
+
+
+@pytest.mark.parametrize("vocab", [1, 16, 17, 4099])
+def test_race_draw_matches_float64_race(vocab: int) -> None:
+    """The fused draw is argmax_j softmax(x / T)_j / E_j with the sampler's noise, first index on
+    ties; checked against the race in float64 on every row whose winner is not a near-tie."""
+    from batchgen.engine import sampler
+
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 300
+    scale = torch.tensor([0.1, 1.0, 5.0, 40.0]).repeat(rows // 4)[:, None]
+    logits = torch.randn(rows, vocab, generator=gen) * scale  # [S, V]
+    logits[0] = 2.0  # a flat row: every token ties on weight
+    if vocab > 3:
+        logits[1, 2] = logits[1, 3] = logits[1].max() + 1.0  # two maxima
+    temperature = torch.rand(rows, generator=gen) * 1.5 + 0.05
+    keys = torch.randint(0, 2**63 - 1, (rows,), generator=gen)
+    pos = torch.randint(0, 10**6, (rows,), generator=gen)
+    state = sampler._row_state(keys, pos)
+    got = KERNEL.race_draw(logits, temperature, state)
+
+    u = sampler.uniform_noise(keys, pos, vocab).double()
+    s = logits.double() / temperature.double()[:, None]
+    ratio = (s - s.amax(1, keepdim=True)).exp() / -torch.log1p(-u)  # [S, V]
+    want = ratio.argmax(1)
+    top2 = ratio.topk(min(2, vocab), dim=1).values
+    clear = (top2[:, 0] > top2[:, -1] * (1 + 1e-5)) if vocab > 1 else torch.ones(rows, dtype=bool)
+    assert int(clear.sum()) > rows * 0.9
+    assert torch.equal(got[clear], want[clear])
+    assert bool(((got >= 0) & (got < vocab)).all())
+
+
+def test_race_draw_is_the_samplers_plain_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sample() on CPU draws the same tokens with the C race as with the PyTorch formula
+    (temperature only), row by row, at every temperature."""
+    from batchgen.engine import sampler
+    from batchgen.engine.request import SamplingParams
+
+    gen = torch.Generator().manual_seed(9)
+    rows, vocab = 64, 1000
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    params = [SamplingParams(temperature=0.3 + 0.05 * i, seed=i) for i in range(rows)]
+    batch = sampler.SamplingBatch.from_rows(
+        params, list(range(100, 100 + rows)), [5] * rows, None, None, vocab
+    )
+    native = sampler.sample(logits, batch, logprobs=False)
+    assert native.logprobs is None
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    ref = sampler.sample(logits, batch)
+    assert torch.equal(native.tokens, ref.tokens)

@@ -313,8 +313,9 @@ def test_torch_attention_matches_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Mixed batches through every path: decode, fresh prefill, extend, padded groups, and
-    cascades over shared prefix blocks; unused cache blocks are NaN. ``native``: decode and
-    extend sequences in the C kernel (reading the paged cache in place), the rest in PyTorch."""
+    cascades over shared prefix blocks; unused cache blocks are NaN. ``native``: every sequence
+    in the C kernels (reading the paged cache in place), per token or tiled; cascade prefixes in
+    PyTorch."""
     from batchgen.model import attention, cpu_kernels
 
     if native and cpu_kernels.load() is None:
@@ -380,10 +381,11 @@ def test_torch_attention_matches_reference(
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.3)
     plan = meta.torch_plan
     assert plan is not None
-    if native:  # decodes and short extends went to the kernel
-        assert plan.native_seqs is not None
-        short = sum((c > 0 or q == 1) and q <= attention._NATIVE_MAX_Q for q, c, _ in specs)
-        assert len(plan.native_seqs) == short
+    if native:  # every sequence went to a kernel: few query rows per token, else tiled
+        assert plan.native_seqs is not None and plan.tiled_seqs is not None and not plan.groups
+        tiled = [b for b, (q, _, _) in enumerate(specs) if q * (hq // hkv) >= 16]
+        assert plan.tiled_seqs.tolist() == tiled
+        assert sorted(plan.native_seqs.tolist() + tiled) == list(range(len(specs)))
     else:
         assert len(plan.groups) >= 3 and plan.native_seqs is None
     if tuning != "default":

@@ -150,9 +150,11 @@ class Engine:
         rows = SamplingBatch.from_rows(
             params, keys, positions, prompt_ids, output_ids, self.vocab_size, logits.device
         )
-        out = sample(logits, rows)
+        want_logprobs = any(p.logprobs for p in params)
+        out = sample(logits, rows, logprobs=want_logprobs)
         tokens = out.tokens.tolist()
-        logprobs = out.logprobs.tolist()
+        # Draw.logprob is read only for samples that asked for logprobs
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else [0.0] * len(tokens)
         draws: list[list[Draw]] = []
         i = 0
         for chunk in batch.chunks:

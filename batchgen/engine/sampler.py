@@ -330,7 +330,8 @@ class SamplingBatch:
 @dataclass
 class SampleOutput:
     tokens: Tensor  # [S] int64
-    logprobs: Tensor  # [S] float32: log_softmax of the raw logits (before penalties) at the token
+    logprobs: Tensor | None  # [S] float32: log_softmax of the raw logits (before penalties) at
+    #                          the token; None when sample() was asked not to compute them
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,10 +391,19 @@ _ID_BITS = 31  # vocab ids (and vocab sizes) below 2**31
 _ID_MASK = (1 << _ID_BITS) - 1
 
 
-def _draw_plain(scaled: Tensor, rng_key: Tensor, position: Tensor) -> Tensor:
-    """Draw from softmax(scaled) over the whole vocabulary: [R, V] -> [R] int64."""
-    probs = torch.softmax(scaled, dim=-1)  # [R, V]
-    ids = torch.arange(scaled.shape[1], dtype=torch.int64, device=scaled.device)[None, :]  # [1, V]
+def _draw_plain(logits: Tensor, temperature: Tensor, rng_key: Tensor, position: Tensor) -> Tensor:
+    """Draw from softmax(logits / temperature) over the whole vocabulary: [R, V] -> [R] int64."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and (native := cpu_kernels.load()) is not None
+    ):
+        # One fused pass in C: the same race on unnormalised weights exp(s - max s) (the argmax
+        # is scale-invariant), so it picks the same token up to float rounding in near-ties.
+        state = _row_state(rng_key, position)  # [R]
+        return native.race_draw(logits.contiguous(), temperature.contiguous(), state)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)  # [R, V]
+    ids = torch.arange(logits.shape[1], dtype=torch.int64, device=logits.device)[None, :]  # [1, V]
     return probs.div_(_exponential_at(rng_key, position, ids)).argmax(dim=-1)  # [R]
 
 
@@ -503,11 +513,10 @@ def _draw(logits: Tensor, batch: SamplingBatch) -> Tensor:
     top_k, top_p = _take(batch.top_k, rows), _take(batch.top_p, rows)
     min_p = _take(batch.min_p, rows)
     key, pos = _take(batch.rng_key, rows), _take(batch.position, rows)
+    if not batch.any_filtered:
+        return _draw_plain(logits, temperature, key, pos)
     scaled = logits / temperature[:, None]  # [R, V]
     flags = (batch.any_top_k, batch.any_top_p, batch.any_min_p, batch.candidate_width)
-
-    if not batch.any_filtered:
-        return _draw_plain(scaled, key, pos)
     if not batch.any_plain:
         return _draw_filtered(scaled, top_k, top_p, min_p, key, pos, *flags)
     # Mixed: rank only the rows that filter; put both parts back in place.
@@ -517,18 +526,19 @@ def _draw(logits: Tensor, batch: SamplingBatch) -> Tensor:
         _take(scaled, f), _take(top_k, f), _take(top_p, f), _take(min_p, f),
         _take(key, f), _take(pos, f), *flags,
     )  # fmt: skip
-    tokens[p] = _draw_plain(_take(scaled, p), _take(key, p), _take(pos, p))
+    tokens[p] = _draw_plain(_take(logits, p), _take(temperature, p), _take(key, p), _take(pos, p))
     return tokens
 
 
-def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
+def sample(logits: Tensor, batch: SamplingBatch, logprobs: bool = True) -> SampleOutput:
     """Draw one token per row.
 
     logits: [S, V] raw model logits (cast to float32). Penalties apply to every row, greedy ones
     included; greedy rows then take the first maximum. Other rows: divide by temperature, softmax,
     top-k, top-p (smallest set with mass >= top_p, the top token always kept), min-p (keep
     ``p >= min_p * p_max``), then the exponential race ``argmax p / E`` with ``E`` hashed from
-    (rng_key, position, vocab id). ``logprobs`` are those of the raw logits (vLLM's default).
+    (rng_key, position, vocab id). ``logprobs`` are those of the raw logits (vLLM's default);
+    ``logprobs=False`` skips them (a pass over [S, V]) and leaves ``SampleOutput.logprobs`` None.
     """
     raw = logits.float()  # [S, V]
     logits = apply_penalties(raw, batch)  # [S, V]
@@ -541,5 +551,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
         tokens[batch.random_rows] = _draw(_take(logits, batch.random_rows), batch)
     # log_softmax is a row kernel (a row's value does not depend on the batch shape), unlike
     # logsumexp; the [S, V] intermediate costs one pass.
-    logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [S]
-    return SampleOutput(tokens=tokens, logprobs=logprobs)
+    if not logprobs:
+        return SampleOutput(tokens=tokens, logprobs=None)
+    lp = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [S]
+    return SampleOutput(tokens=tokens, logprobs=lp)

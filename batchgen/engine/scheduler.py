@@ -68,7 +68,7 @@ class Draw:
     """One sampled token for one target of a sampling chunk."""
 
     token: int
-    logprob: float
+    logprob: float  # set only for samples whose params ask for logprobs (else 0.0)
 
 
 class Scheduler:

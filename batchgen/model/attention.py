@@ -97,9 +97,10 @@ _EXTEND = 2  # new tokens after cached keys: gathered keys, explicit offset-caus
 _GROUP_OVERHEAD = 8192
 # Decode/extend groups gather and attend in chunks of sequences of about this many K+V bytes.
 _GATHER_CHUNK_BYTES = 16 << 20
-# Sequences with cached keys and at most this many new tokens go to the C kernel (native plans);
-# longer extends are faster gathered into SDPA, whose tiled matmuls beat the kernel's row loop.
-_NATIVE_MAX_Q = 8
+# In native plans a sequence whose new tokens times the query heads per KV head fill at least this
+# many query rows (one 16-lane tile) goes to the C kernel's tiled variant; fewer rows (decodes,
+# short extends) to its per-token variant, which wastes no lanes.
+_TILED_MIN_ROWS = 16
 # A shared prefix becomes a cascade when it saves at least this many gathered key positions.
 _CASCADE_MIN_SAVED = 256
 
@@ -151,8 +152,9 @@ class TorchAttentionPlan:
     num_tokens: int
     groups: list[_Group]
     cascades: list[_Cascade]
-    # the C kernel's share (``native`` plans): decodes and short extends, in one call
-    native_seqs: Tensor | None = None  # [m] int32 sequence indices
+    # the C kernels' share (``native`` plans: every sequence), one call each
+    native_seqs: Tensor | None = None  # [m] int32 sequences for the per-token kernel
+    tiled_seqs: Tensor | None = None  # [m] int32 sequences for the tiled kernel
     k_start: Tensor | None = None  # [B] int32 first key each sequence attends to (cascades)
 
 
@@ -225,9 +227,10 @@ def build_torch_plan(
 ) -> TorchAttentionPlan:
     """Turn the step metadata into padded groups (and cascades) with gather indices and masks.
 
-    ``native``: sequences with cached keys and at most ``_NATIVE_MAX_Q`` new tokens (decodes,
-    short extends) go to the C kernel, which reads the paged cache in place, instead of into
-    gathered groups; fresh prefills and longer extends stay with SDPA.
+    ``native``: every sequence goes to the C kernels, which read the paged cache in place
+    (``native_seqs`` / ``tiled_seqs``, split by ``_TILED_MIN_ROWS``), instead of into gathered
+    SDPA groups; only the shared prefixes of cascades still run in SDPA (one GEMM-shaped call
+    per prefix, merged into the kernels' results by log-sum-exp).
 
     One host sync per step (the B+1 offsets and B lengths, and the block-table rows of cascade
     candidates); the index tensors are built with vectorized ops on the metadata's device.
@@ -261,7 +264,11 @@ def build_torch_plan(
 
     classes: dict[tuple[int, bool], list[int]] = {}
     native_seqs: list[int] = []
+    tiled_seqs: list[int] = []
     for b in range(num_seqs):
+        if native:
+            (tiled_seqs if q_lens[b] * group >= _TILED_MIN_ROWS else native_seqs).append(b)
+            continue
         member = start[b] > 0
         if q_lens[b] == 1:
             kind = _DECODE
@@ -269,10 +276,7 @@ def build_torch_plan(
             kind = _FRESH
         else:
             kind = _EXTEND
-        if native and kind != _FRESH and q_lens[b] <= _NATIVE_MAX_Q:
-            native_seqs.append(b)
-        else:
-            classes.setdefault((kind, member), []).append(b)
+        classes.setdefault((kind, member), []).append(b)
 
     groups: list[_Group] = []
     for (kind, member), class_seqs in sorted(classes.items()):
@@ -329,8 +333,10 @@ def build_torch_plan(
     plan = TorchAttentionPlan(block_size, group, dtype, num_tokens, groups, cascades)
     if native_seqs:
         plan.native_seqs = torch.tensor(native_seqs, dtype=torch.int32)
-        if cascades:
-            plan.k_start = torch.tensor(start, dtype=torch.int32)
+    if tiled_seqs:
+        plan.tiled_seqs = torch.tensor(tiled_seqs, dtype=torch.int32)
+    if native and cascades:
+        plan.k_start = torch.tensor(start, dtype=torch.int32)
     return plan
 
 
@@ -356,8 +362,9 @@ def _attend_lse(
 class TorchAttention:
     """PyTorch paged attention (the CPU production path).
 
-    On CPU tensors in fp32, decode and extend sequences run in the C kernel of
-    :mod:`batchgen.model.cpu_kernels` (reads the paged cache in place) when it can be built;
+    On CPU tensors in fp32, every sequence runs in the C kernels of
+    :mod:`batchgen.model.cpu_kernels` (they read the paged cache in place) when they can be built,
+    and only cascade prefixes use SDPA;
     ``native=False`` keeps everything in PyTorch. Holds grow-only gather buffers reused by every
     layer and step (a fresh allocation of tens of MB per gather costs more in page faults than
     the copy itself), so one instance must not run two forward passes concurrently.
@@ -424,11 +431,14 @@ class TorchAttention:
             and plan.groups[0].q_index is None
             and not plan.cascades
             and plan.native_seqs is None
+            and plan.tiled_seqs is None
         ):
             return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale)[0]
         out = q.new_empty(num_tokens, num_heads, head_dim)
         lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if plan.cascades else None
-        if plan.native_seqs is not None:
+        for seqs, tiled in ((plan.native_seqs, False), (plan.tiled_seqs, True)):
+            if seqs is None:
+                continue
             assert kernels is not None  # plans are per step, and a step keeps one dtype
             kernels.paged_attention(
                 q,
@@ -437,11 +447,12 @@ class TorchAttention:
                 meta.block_tables,
                 meta.cu_seqlens_q,
                 meta.seq_lens,
-                plan.native_seqs,
+                seqs,
                 out,
                 scale,
                 k_start=plan.k_start,
                 lse=lse_all,
+                tiled=tiled,
             )
         for g in plan.groups:
             o, lse = self._group(g, q, k, v, k_flat, v_flat, scale)  # [n*max_q, Hq, D], [.., Hq]

@@ -1,9 +1,11 @@
 /* CPU kernels, fp32, built and loaded at run time by cpu_kernels.py (cc -O3 -march=native
  * -fopenmp) and called through ctypes:
  *   paged_attention_f32  attention reading K/V in place from the block-paged cache (no gather)
+ *   paged_prefill_f32    the same for runs of new tokens (prefills, extends), in 16-row tiles
  *   store_kv_f32         the step's new K/V into their cache slots
  *   rms_norm_f32, rope_f32, silu_mul_f32   one-pass layer ops
  *   uniform_noise_f32    the sampler's hashed uniforms (bit for bit the PyTorch formula)
+ *   race_draw_f32        the sampler's temperature-only draw, fused (noise, weights, race)
  *   merge_prefix_f32     mixing a shared-prefix attention result into the per-sequence one
  *
  * paged_attention_f32's layouts (all fp32 / int32, row-major):
@@ -29,6 +31,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef struct {
     const float *q;
@@ -322,6 +327,203 @@ static void run_task(Task *t) {
     free(key_off);
 }
 
+/* ---- tiled attention for runs of new tokens (prefills, extends) ----
+ * A tile is 16 query rows, one per vector lane: row r of a (sequence, KV head) item is new token
+ * r / G with query head kv_head*G + r % G. Scores are kept transposed, one vector per key with a
+ * lane per row (S^T[j] = sum_d K[j][d] * Q^T[d], K[j][d] broadcast), so the online softmax's row
+ * maxima, sums and rescales are plain vector ops, and the output accumulates transposed too
+ * (O^T[d] += P^T[j] * V[j][d]). An item gathers its keys and values once into contiguous
+ * buffers (padded to a multiple of 16 keys) that all its tiles then read. */
+
+#define TILE 16
+#define ITEM_ROWS 128 /* query rows (tokens x G) per work item */
+
+typedef struct {
+    int seq;      /* index into Args.seqs */
+    int kv_head;
+    int t_begin;  /* new tokens t_begin .. t_end-1 of the sequence */
+    int t_end;
+} TileItem;
+
+static inline __attribute__((always_inline)) void tile_attend(
+    const float *kbuf, const float *vbuf, int num_keys, int k0, const float *qt, vi16 pos,
+    int pos_min, int pos_max, float *ot, v16 *m_out, v16 *l_out, const int D) {
+    v16 m = (v16){0} - 1e30f, l = {0};
+    for (int d = 0; d < D; d++) store16(ot + 16 * d, (v16){0});
+    const int last = pos_max - k0 + 1 < num_keys ? pos_max - k0 + 1 : num_keys; /* keys seen */
+    for (int j0 = 0; j0 < last; j0 += 16) {
+        v16 s[16];
+        for (int j = 0; j < 16; j++) s[j] = (v16){0};
+        const float *kb = kbuf + (int64_t)j0 * D;
+        for (int d = 0; d < D; d++) {
+            const v16 q = load16(qt + 16 * d);
+            for (int j = 0; j < 16; j++) s[j] += kb[j * D + d] * q;
+        }
+        if (k0 + j0 + 15 > pos_min) { /* some row sees only part of this block */
+            for (int j = 0; j < 16; j++) {
+                const vi16 vis = pos >= k0 + j0 + j;
+                s[j] = (v16)(((vi16)s[j] & vis) | ((vi16)((v16){0} - INFINITY) & ~vis));
+            }
+        }
+        v16 bm = s[0];
+        for (int j = 1; j < 16; j++) bm = max16(bm, s[j]);
+        const v16 m_new = max16(m, bm);
+        const v16 alpha = exp16_nonpos(m - m_new);
+        v16 sum = {0};
+        for (int j = 0; j < 16; j++) {
+            s[j] = exp16_nonpos(s[j] - m_new);
+            sum += s[j];
+        }
+        l = l * alpha + sum;
+        m = m_new;
+        const float *vb = vbuf + (int64_t)j0 * D;
+        int d = 0;
+        for (; d + 8 <= D; d += 8) { /* 8 independent accumulator chains keep the FMAs busy */
+            v16 o[8];
+            for (int c = 0; c < 8; c++) o[c] = load16(ot + 16 * (d + c)) * alpha;
+            for (int j = 0; j < 16; j++)
+                for (int c = 0; c < 8; c++) o[c] += s[j] * vb[j * D + d + c];
+            for (int c = 0; c < 8; c++) store16(ot + 16 * (d + c), o[c]);
+        }
+        for (; d < D; d++) {
+            v16 o = load16(ot + 16 * d) * alpha;
+            for (int j = 0; j < 16; j++) o += s[j] * vb[j * D + d];
+            store16(ot + 16 * d, o);
+        }
+    }
+    *m_out = m;
+    *l_out = l;
+}
+
+static void tile_attend_dispatch(const float *kbuf, const float *vbuf, int num_keys, int k0,
+                                 const float *qt, vi16 pos, int pos_min, int pos_max, float *ot,
+                                 v16 *m, v16 *l, int D) {
+    if (D == 64)
+        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos, pos_min, pos_max, ot, m, l, 64);
+    else if (D == 128)
+        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos, pos_min, pos_max, ot, m, l, 128);
+    else
+        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos, pos_min, pos_max, ot, m, l, D);
+}
+
+/* One item: gather its keys, then every tile of its rows. Scratch: kbuf and vbuf hold
+ * (max_keys + 16) * D floats each, qt and ot 16 * D each. */
+static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float *vbuf, float *qt,
+                          float *ot) {
+    const int G = a->num_heads / a->num_kv_heads;
+    const int D = a->head_dim;
+    const int bs = a->block_size;
+    const int64_t kv_row = (int64_t)a->num_kv_heads * D;
+    const int b = a->seqs[it->seq];
+    const int q0 = a->cu_seqlens_q[b];
+    const int q_len = a->cu_seqlens_q[b + 1] - q0;
+    const int seq_len = a->seq_lens[b];
+    const int k0 = a->k_start ? a->k_start[b] : 0;
+    const int first_pos = seq_len - q_len; /* position of new token 0 */
+    /* keys k0 .. (position of the item's last token), padded with zeros to a multiple of 16 */
+    const int num_keys = first_pos + it->t_end - k0 > 0 ? first_pos + it->t_end - k0 : 0;
+    const int32_t *table = a->block_tables + (int64_t)b * a->bt_stride;
+    for (int j = 0; j < num_keys; j++) {
+        const int p = k0 + j;
+        const int64_t off = ((int64_t)table[p / bs] * bs + p % bs) * kv_row + (int64_t)it->kv_head * D;
+        memcpy(kbuf + (int64_t)j * D, a->k_cache + off, sizeof(float) * D);
+        memcpy(vbuf + (int64_t)j * D, a->v_cache + off, sizeof(float) * D);
+    }
+    const int padded = (num_keys + 15) & ~15;
+    memset(kbuf + (int64_t)num_keys * D, 0, sizeof(float) * D * (padded - num_keys));
+    memset(vbuf + (int64_t)num_keys * D, 0, sizeof(float) * D * (padded - num_keys));
+
+    const int rows = (it->t_end - it->t_begin) * G;
+    for (int r0 = 0; r0 < rows; r0 += TILE) {
+        int32_t pos_l[16];
+        int pos_min = 1 << 30, pos_max = -1;
+        for (int lane = 0; lane < 16; lane++) { /* lanes past the last row repeat it */
+            const int r = r0 + lane < rows ? r0 + lane : rows - 1;
+            const int t = it->t_begin + r / G, g = r % G;
+            const float *qr = a->q + (int64_t)(q0 + t) * a->q_stride + (int64_t)(it->kv_head * G + g) * D;
+            for (int d = 0; d < D; d++) qt[16 * d + lane] = qr[d] * a->scale;
+            pos_l[lane] = first_pos + t;
+            if (pos_l[lane] < pos_min) pos_min = pos_l[lane];
+            if (pos_l[lane] > pos_max) pos_max = pos_l[lane];
+        }
+        vi16 pos;
+        memcpy(&pos, pos_l, sizeof pos);
+        v16 m, l;
+        tile_attend_dispatch(kbuf, vbuf, num_keys, k0, qt, pos, pos_min, pos_max, ot, &m, &l, D);
+        for (int lane = 0; lane < 16 && r0 + lane < rows; lane++) {
+            const int r = r0 + lane;
+            const int t = it->t_begin + r / G, h = it->kv_head * G + r % G;
+            const int64_t row = q0 + t;
+            float *o = a->out + (row * a->num_heads + h) * D;
+            const float inv = l[lane] > 0.0f ? 1.0f / l[lane] : 0.0f;
+            for (int d = 0; d < D; d++) o[d] = ot[16 * d + lane] * inv;
+            if (a->lse) a->lse[row * a->num_heads + h] = l[lane] > 0.0f ? m[lane] + logf(l[lane]) : -INFINITY;
+        }
+    }
+}
+
+/* Tiled attention of the sequences ``seqs`` (same arguments and results as
+ * paged_attention_f32, for any query length; pays off on longer runs of new tokens). Returns 0
+ * on success, nonzero when an allocation failed. */
+int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache,
+                      const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                      const int32_t *cu_seqlens_q, const int32_t *seq_lens,
+                      const int32_t *k_start, const int32_t *seqs, int num_seqs, float *out,
+                      float *lse, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                      float scale, int num_threads) {
+    if (num_seqs <= 0) return 0;
+    Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs, out, lse,
+              q_stride, bt_stride, num_heads, num_kv_heads, head_dim, block_size, 0, scale};
+    const int G = num_heads / num_kv_heads;
+    const int chunk = ITEM_ROWS / G > 0 ? ITEM_ROWS / G : 1; /* tokens per item */
+    int64_t num_items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int b = seqs[s];
+        const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+        const int keys = seq_lens[b] - (k_start ? k_start[b] : 0);
+        if (keys > a.max_keys) a.max_keys = keys;
+        num_items += (int64_t)((q_len + chunk - 1) / chunk) * num_kv_heads;
+    }
+    if (num_items == 0) return 0;
+    TileItem *items = (TileItem *)malloc(sizeof(TileItem) * num_items);
+    if (!items) return 1;
+    {
+        int64_t n = 0;
+        for (int s = 0; s < num_seqs; s++) {
+            const int b = seqs[s];
+            const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+            for (int t = 0; t < q_len; t += chunk)
+                for (int h = 0; h < num_kv_heads; h++)
+                    items[n++] = (TileItem){s, h, t, t + chunk < q_len ? t + chunk : q_len};
+        }
+    }
+    if (num_threads < 1) num_threads = 1;
+    if ((int64_t)num_threads > num_items) num_threads = (int)num_items;
+    /* per thread: kbuf, vbuf ((max_keys + 16) * D each), qt, ot (16 * D each) */
+    const size_t kv_floats = (size_t)(a.max_keys + 16) * head_dim;
+    const size_t per_thread = 2 * kv_floats + 2 * 16 * (size_t)head_dim;
+    float *scratch = (float *)malloc(sizeof(float) * per_thread * num_threads);
+    if (!scratch) {
+        free(items);
+        return 1;
+    }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+#endif
+    for (int64_t i = 0; i < num_items; i++) {
+#ifdef _OPENMP
+        float *kbuf = scratch + per_thread * omp_get_thread_num();
+#else
+        float *kbuf = scratch;
+#endif
+        float *vbuf = kbuf + kv_floats, *qt = vbuf + kv_floats, *ot = qt + 16 * (size_t)head_dim;
+        run_tile_item(&a, &items[i], kbuf, vbuf, qt, ot);
+    }
+    free(scratch);
+    free(items);
+    return 0;
+}
+
 /* Returns 0 on success, nonzero when a thread's scratch allocation failed. */
 int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                         const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
@@ -502,6 +704,106 @@ void uniform_noise_f32(const int64_t *state, const int64_t *ids, int64_t ids_str
             u = u < lo_min ? lo_min : u;
             o[j] = u > hi_max ? hi_max : u;
         }
+    }
+}
+
+/* The exponential race over whole rows (the sampler's plain draw, fused):
+ *   tokens[r] = argmax_j w_j / E_j,  w_j = exp(s_j - max s),  s_j = x[r, j] / temperature[r],
+ *   E_j = -log1p(-u_j) with u_j the hashed uniform of uniform_noise_f32 at (state[r], j),
+ * the first index on ties. This is argmax softmax(s)_j / E_j without the normalization (the
+ * argmax is scale-invariant). Exactness without a logarithm per element: E >= u, so a token with
+ * w_j <= R * u_j * (1 - 2^-20), R the best ratio so far, has w_j / E_j < R strictly (the margin
+ * covers log1pf's rounding and lies beyond one float step of R, so it cannot even tie); only the
+ * few tokens passing that test get their E computed. logits rows at x + r * x_stride. */
+typedef uint64_t vu8 __attribute__((vector_size(64), aligned(8)));
+
+/* whether any lane of a comparison result is set (an OR-fold of the halves) */
+static inline int any16(vi16 m) {
+    typedef int32_t vi8 __attribute__((vector_size(32)));
+    typedef int32_t vi4 __attribute__((vector_size(16)));
+    const vi8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7) |
+                  __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+    const vi4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) | __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] | b[1] | b[2] | b[3]) != 0;
+}
+
+/* mix64 on 8 lanes */
+static inline vu8 mix64x8(vu8 z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* the hashed uniforms of ids j0 .. j0+15 of a row with state st (uniform_noise_f32's formula) */
+static inline v16 uniform16(uint64_t st, int64_t j0) {
+    const uint64_t gamma = 0x9E3779B97F4A7C15ULL;
+    const vu8 lane = {1, 2, 3, 4, 5, 6, 7, 8};
+    const vu8 z0 = mix64x8((lane + (uint64_t)j0) * gamma + st);
+    const vu8 z1 = mix64x8((lane + (uint64_t)(j0 + 8)) * gamma + st);
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef int64_t vi8 __attribute__((vector_size(64)));
+    const v8 h0 = __builtin_convertvector((vi8)((z0 >> 40) & 0xFFFFFF), v8);
+    const v8 h1 = __builtin_convertvector((vi8)((z1 >> 40) & 0xFFFFFF), v8);
+    const v8 l0 = __builtin_convertvector((vi8)((z0 >> 16) & 0xFFFFFF), v8);
+    const v8 l1 = __builtin_convertvector((vi8)((z1 >> 16) & 0xFFFFFF), v8);
+    const v16 hi = __builtin_shufflevector(h0, h1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v16 lo = __builtin_shufflevector(l0, l1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    v16 u = hi * 0x1p-24f + lo * 0x1p-48f;
+    u = max16(u, (v16){0} + 0x1p-49f);
+    return -max16(-u, (v16){0} - (1.0f - 0x1p-24f)); /* min(u, 1 - 2^-24) */
+}
+
+void race_draw_f32(const float *x, int64_t x_stride, const float *temperature,
+                   const int64_t *state, int64_t num_rows, int64_t vocab, int64_t *tokens) {
+    const float margin = 1.0f - 0x1p-20f;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (num_rows * vocab >= 65536)
+#endif
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *row = x + r * x_stride;
+        const float t = temperature[r];
+        const uint64_t st = (uint64_t)state[r];
+        const int64_t full = vocab & ~(int64_t)15;
+        const int rest = (int)(vocab - full);
+        float tail[16];
+        for (int i = 0; i < 16; i++) tail[i] = i < rest ? row[full + i] / t : -INFINITY;
+        /* pass 1: m = max s and its first index; per lane the first index of the lane's max */
+        v16 mv = (v16){0} - INFINITY;
+        vi16 mi = {0};
+        const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        for (int64_t j = 0; j < vocab; j += 16) {
+            const v16 sv = j < full ? load16(row + j) / t : load16(tail);
+            const vi16 gt = sv > mv;
+            mv = (v16)(((vi16)sv & gt) | ((vi16)mv & ~gt));
+            mi = ((lane + (int32_t)j) & gt) | (mi & ~gt);
+        }
+        float m = mv[0];
+        for (int i = 1; i < 16; i++) m = mv[i] > m ? mv[i] : m;
+        int64_t best = vocab;
+        for (int i = 0; i < 16; i++)
+            if (mv[i] == m && mi[i] < best) best = mi[i];
+        /* pass 2: the race, 16 tokens at a time; at the maximum w = exp(0) = 1 */
+        float u_best[16];
+        store16(u_best, uniform16(st, best));
+        float best_r = 1.0f / -log1pf(-u_best[0]);
+        for (int64_t j0 = 0; j0 < vocab; j0 += 16) {
+            const v16 u = uniform16(st, j0);
+            /* w <= 1: a lane with u * best_r * margin >= 1 cannot pass; most chunks stop here */
+            if (!any16(u * (best_r * margin) < 1.0f)) continue;
+            const v16 s = j0 < full ? load16(row + j0) / t : load16(tail);
+            const v16 w = exp16_nonpos(s - m);
+            const vi16 pass = w > u * (best_r * margin);
+            if (!any16(pass)) continue;
+            for (int i = 0; i < 16; i++) {
+                if (!pass[i] || j0 + i >= vocab) continue;
+                const float ratio = w[i] / -log1pf(-u[i]);
+                if (ratio > best_r || (ratio == best_r && j0 + i < best)) {
+                    best_r = ratio;
+                    best = j0 + i;
+                }
+            }
+        }
+        tokens[r] = best;
     }
 }
 

@@ -1,6 +1,6 @@
 """CPU kernels in C (``cpu_kernels.c``): paged attention straight from the block-paged KV cache,
 the K/V store, the merge of a shared-prefix (cascade) result, one-pass RMSNorm, RoPE and SwiGLU,
-and the sampler's hashed noise.
+and the sampler's hashed noise and temperature-only draw.
 
 The pure-PyTorch path has to copy every sequence's keys and values out of the paged cache into
 contiguous buffers before ``scaled_dot_product_attention`` can read them: on decode steps that
@@ -99,6 +99,9 @@ class CpuKernels:
                        ctypes.c_float, i32]  # fmt: skip
         fn.restype = ctypes.c_int
         self._attention = fn
+        self._prefill = lib.paged_prefill_f32
+        self._prefill.argtypes = fn.argtypes
+        self._prefill.restype = ctypes.c_int
         store = lib.store_kv_f32
         store.argtypes = [p, i64, p, i64, p, p, p, i64, i64]
         store.restype = None
@@ -115,6 +118,9 @@ class CpuKernels:
         self._noise = lib.uniform_noise_f32
         self._noise.argtypes = [p, p, i64, p, i64, i64]
         self._noise.restype = None
+        self._race = lib.race_draw_f32
+        self._race.argtypes = [p, i64, p, p, i64, i64, p]
+        self._race.restype = None
         self._merge = lib.merge_prefix_f32
         self._merge.argtypes = [p, p, p, i64, p, p, i32, i32, i32]
         self._merge.restype = None
@@ -168,6 +174,28 @@ class CpuKernels:
         self._noise(state.data_ptr(), None if ids is None else ids.data_ptr(), stride,
                     out.data_ptr(), num_rows, k)  # fmt: skip
         return out
+
+    def race_draw(self, logits: Tensor, temperature: Tensor, state: Tensor) -> Tensor:
+        """The sampler's temperature-only draw (see ``race_draw_f32``): logits ``[S, V]`` fp32
+        with contiguous rows, temperature ``[S]`` fp32 (> 0), state ``[S]`` int64 row states
+        -> ``[S]`` int64 tokens."""
+        if not (
+            logits.dtype == torch.float32
+            and logits.dim() == 2
+            and logits.stride(1) == 1
+            and logits.device.type == "cpu"
+            and temperature.dtype == torch.float32
+            and state.dtype == torch.int64
+            and temperature.shape == state.shape == logits.shape[:1]
+            and temperature.is_contiguous()
+            and state.is_contiguous()
+        ):
+            raise ValueError("cpu race_draw: unsupported dtypes, shapes or strides")
+        num_rows, vocab = logits.shape
+        tokens = torch.empty(num_rows, dtype=torch.int64)
+        self._race(logits.data_ptr(), logits.stride(0), temperature.data_ptr(), state.data_ptr(),
+                   num_rows, vocab, tokens.data_ptr())  # fmt: skip
+        return tokens
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim: x ``[..., n]`` fp32 whose
@@ -257,8 +285,12 @@ class CpuKernels:
         scale: float,
         k_start: Tensor | None = None,
         lse: Tensor | None = None,
+        tiled: bool = False,
     ) -> None:
         """Attention of the sequences ``seqs`` ``[m]`` int32, written into their rows of ``out``.
+
+        ``tiled``: the 16-row tiled kernel (``paged_prefill_f32``), faster on runs of new tokens
+        (prefills, extends); else the per-token one (``paged_attention_f32``), for decodes.
 
         q ``[T, Hq, D]`` fp32 with each row's heads contiguous (a column slice of the fused qkv
         output is fine); caches ``[num_blocks, block_size, Hkv, D]`` contiguous fp32;
@@ -288,7 +320,7 @@ class CpuKernels:
             and hq % hkv == 0
         ):
             raise ValueError("cpu paged attention: unsupported dtypes, shapes or strides")
-        rc = self._attention(
+        rc = (self._prefill if tiled else self._attention)(
             q.data_ptr(),
             q.stride(0),
             k_cache.data_ptr(),
