@@ -157,6 +157,14 @@ def _native(x: Tensor) -> CpuKernels | None:
     return cpu_kernels.for_dtype(x.device, x.dtype)
 
 
+def linear_add_(x: Tensor, h: Tensor, proj: nn.Linear) -> Tensor:
+    """``x += proj(h)`` in place, returns x: without a bias the add happens inside the GEMM
+    (``addmm_``, beta = 1), with no [T, out] temporary and no second pass over x."""
+    if proj.bias is None:
+        return x.addmm_(h, proj.weight.t())
+    return x.add_(proj(h))
+
+
 def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE in place; returns x. x ``[T, H, D]`` (heads of a row contiguous, any row
     stride: a column slice of qkv); cos/sin ``[T, D/2]`` (the halves of HF's tables).
@@ -203,7 +211,9 @@ class LlamaAttention(nn.Module):
         k_cache: Tensor,
         v_cache: Tensor,
         meta: AttentionMetadata,
+        residual: Tensor,
     ) -> Tensor:
+        """h ``[T, hidden]`` normed input -> ``residual += o_proj(attention)``, in place."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) * D]
@@ -218,7 +228,7 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d))
             q, k = rope_(q, cos, sin), rope_(k, cos, sin)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return linear_add_(residual, o.reshape(t, self.q_size), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
@@ -230,15 +240,17 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        """x ``[T, hidden]`` normed input -> ``residual += mlp(x)``, in place."""
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         native = _native(gate_up)
         if native is not None and gate_up.is_contiguous():
-            return self.down_proj(native.silu_mul_(gate_up))  # one pass, in place
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        # in place: no new [T, I] buffers (inference only; gate_up is ours alone)
-        F.silu(gate, inplace=True)
-        return self.down_proj(gate.mul_(up))
+            act = native.silu_mul_(gate_up)  # one pass, in place
+        else:
+            gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+            # in place: no new [T, I] buffers (inference only; gate_up is ours alone)
+            act = F.silu(gate, inplace=True).mul_(up)
+        return linear_add_(residual, act, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -261,8 +273,8 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> Tensor:
         # x is the residual stream, owned by the model's forward: updated in place
-        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
