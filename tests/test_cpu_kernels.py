@@ -266,26 +266,43 @@ def test_uniform_noise_bit_identical_to_torch(monkeypatch: pytest.MonkeyPatch) -
         assert bool(((got > 0) & (got < 1)).all())
 
 
-def test_merge_prefix_matches_torch() -> None:
-    """Mixing a shared-prefix result into rows of out equals the log-sum-exp weighted formula;
-    other rows are untouched."""
-    gen = torch.Generator().manual_seed(4)
-    t, hkv, g, d, r = 9, 2, 3, 16, 4
-    out = torch.randn(t, hkv * g, d, generator=gen)
-    lse = torch.randn(t, hkv * g, generator=gen) * 5
-    rows = torch.tensor([7, 0, 3, 8])
-    o_p = torch.randn(hkv, r, g, d, generator=gen)
-    lse_p = torch.randn(hkv, r, g, generator=gen) * 5
+@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
+@pytest.mark.parametrize("prefix_len", [1, 16, 37])
+def test_prefix_attention_merge_matches_attention_over_both_parts(
+    hq: int, hkv: int, d: int, bs: int, prefix_len: int
+) -> None:
+    """Rows that attended to their own keys (out, lse) and then to a shared prefix through the
+    kernel equal attention over the prefix and their own keys together; other rows untouched."""
+    gen = torch.Generator().manual_seed(hq + d + prefix_len)
+    t, own = 11, 9
+    c = make_case(hq, hkv, d, bs, [1], [prefix_len + own], seed=prefix_len)
+    kc, vc = c["k_cache"], c["v_cache"]
+    bt = c["block_tables"][0].tolist()
+    slots_all = [bt[i // bs] * bs + i % bs for i in range(prefix_len + own)]
+    k = kc.reshape(-1, hkv, d)[slots_all].double()  # [L, Hkv, D]
+    v = vc.reshape(-1, hkv, d)[slots_all].double()
+    q = torch.randn(t, hq + 2 * hkv, d, generator=gen)[:, :hq] * 2  # a column slice, like qkv
+    rows = torch.tensor([7, 0, 3, 10, 4])
+    grp = hq // hkv
+    scale = 0.3
+
+    def attend(keys: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        qh = q.double().contiguous().view(t, hkv, grp, d)
+        s = torch.einsum("thgd,khd->thgk", qh, k[keys]) * scale
+        lse = torch.logsumexp(s, -1)
+        o = torch.einsum("thgk,khd->thgd", s.softmax(-1), v[keys])
+        return o.reshape(t, hq, d).float().contiguous(), lse.reshape(t, hq).float().contiguous()
+
+    out, lse = attend(slice(prefix_len, None))  # each row's own part
+    want, _ = attend(slice(None))
     before = out.clone()
-    ls = lse[rows]  # [R, Hq]
-    lp = lse_p.permute(1, 0, 2).reshape(r, hkv * g)
-    op = o_p.permute(1, 0, 2, 3).reshape(r, hkv * g, d)
-    both = torch.logaddexp(ls, lp)
-    want = out[rows] * (ls - both).exp()[..., None] + op * (lp - both).exp()[..., None]
-    KERNEL.merge_prefix_(out, lse, rows, o_p, lse_p)
-    torch.testing.assert_close(out[rows], want, atol=1e-6, rtol=1e-5)
+    lse_before = lse.clone()
+    slots = torch.tensor(slots_all[:prefix_len])
+    KERNEL.prefix_attention_merge_(q, kc, vc, slots, rows, out, lse, scale)
+    torch.testing.assert_close(out[rows], want[rows], atol=2e-5, rtol=1e-5)
     others = torch.tensor([i for i in range(t) if i not in rows.tolist()])
     assert torch.equal(out[others], before[others])
+    assert torch.equal(lse, lse_before)
 
 
 @pytest.mark.parametrize("vocab", [1, 16, 17, 4099])

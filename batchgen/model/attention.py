@@ -468,7 +468,12 @@ class TorchAttention:
                 lse_all.index_copy_(0, rows, lse)
         for c in plan.cascades:
             assert lse_all is not None
-            self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale, kernels)
+            if kernels is not None:  # attention and merge in one pass, the prefix read in place
+                kernels.prefix_attention_merge_(
+                    q, k_cache, v_cache, c.slots, c.rows, out, lse_all, scale
+                )
+            else:
+                self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale)
         return out
 
     def _group(
@@ -567,10 +572,8 @@ class TorchAttention:
         out: Tensor,
         lse_all: Tensor,
         scale: float,
-        kernels: cpu_kernels.CpuKernels | None,
     ) -> None:
-        """Attend the cascade's rows to its shared prefix and merge into ``out`` in place
-        (``kernels``: the C merge, one pass; None: PyTorch ops)."""
+        """Attend the cascade's rows to its shared prefix and merge into ``out`` in place."""
         _, hq, d = q.shape
         hkv = k_flat.shape[1]
         grp = hq // hkv
@@ -581,12 +584,6 @@ class TorchAttention:
         kp = self._gather("k", k_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
         vp = self._gather("v", v_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
         o_p, lse_p = _attend_lse(qp, kp, vp, None, scale)
-        if kernels is not None:  # reads o_p in the layout attention produced it
-            kernels.merge_prefix_(
-                out, lse_all, c.rows, o_p.view(hkv, r, grp, d).contiguous(),
-                lse_p.view(hkv, r, grp).contiguous(),
-            )  # fmt: skip
-            return
         o_p = o_p.view(hkv, r, grp, d).permute(1, 0, 2, 3).reshape(r, hq, d)
         lse_p = lse_p.view(hkv, r, grp).permute(1, 0, 2).reshape(r, hq)
         o_s = out.index_select(0, c.rows)

@@ -6,7 +6,7 @@
  *   rms_norm_f32, rope_f32, silu_mul_f32   one-pass layer ops
  *   uniform_noise_f32    the sampler's hashed uniforms (bit for bit the PyTorch formula)
  *   race_draw_f32        the sampler's temperature-only draw, fused (noise, weights, race)
- *   merge_prefix_f32     mixing a shared-prefix attention result into the per-sequence one
+ *   prefix_attention_merge_f32  a shared prefix attended by many rows and merged, in one call
  *
  * paged_attention_f32's layouts (all fp32 / int32, row-major):
  *   q        [T, Hq, D]   row t at q + t*q_stride, head h at + h*D (heads contiguous)
@@ -524,6 +524,91 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache,
     return 0;
 }
 
+/* A shared prefix (cascade) attended by many rows, merged into their results in place.
+ * For each row r < R (q row rows[r]) and head h: attention of q[rows[r], h] over the P keys at
+ * cache slots slots[0..P) (all visible), then out[rows[r], h] <- the log-sum-exp weighted mix of
+ * that result and out[rows[r], h] (whose log-sum-exp is lse[rows[r], h]): attention over the
+ * union of both key sets. lse is left as it was. The prefix K/V of each KV head is gathered once;
+ * work items are (KV head, ITEM_ROWS (row, head) pairs), each in 16-lane tiles.
+ * Returns 0 on success, nonzero when an allocation failed. */
+int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_cache,
+                               const float *v_cache, const int64_t *slots, int prefix_len,
+                               const int64_t *rows, int64_t num_rows, float *out,
+                               const float *lse, int num_heads, int num_kv_heads, int head_dim,
+                               float scale, int num_threads) {
+    if (num_rows <= 0 || prefix_len <= 0) return 0;
+    const int G = num_heads / num_kv_heads;
+    const int D = head_dim;
+    const int64_t kv_row = (int64_t)num_kv_heads * D;
+    const int padded = (prefix_len + 15) & ~15;
+    const size_t head_floats = (size_t)padded * D;
+    /* [Hkv][padded][D] keys then values, zero padded */
+    float *kv = (float *)calloc(2 * head_floats * num_kv_heads, sizeof(float));
+    const int64_t pairs = num_rows * G; /* (row, head) pairs per KV head */
+    const int64_t chunks = (pairs + ITEM_ROWS - 1) / ITEM_ROWS;
+    const int64_t num_items = chunks * num_kv_heads;
+    if (num_threads < 1) num_threads = 1;
+    if ((int64_t)num_threads > num_items) num_threads = (int)num_items;
+    float *scratch = (float *)malloc(sizeof(float) * 32 * (size_t)D * num_threads);
+    if (!kv || !scratch) {
+        free(kv);
+        free(scratch);
+        return 1;
+    }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+#endif
+    for (int64_t j = 0; j < (int64_t)prefix_len * num_kv_heads; j++) {
+        const int h = (int)(j / prefix_len), p = (int)(j % prefix_len);
+        const int64_t off = slots[p] * kv_row + (int64_t)h * D;
+        memcpy(kv + 2 * head_floats * h + (size_t)p * D, k_cache + off, sizeof(float) * D);
+        memcpy(kv + 2 * head_floats * h + head_floats + (size_t)p * D, v_cache + off,
+               sizeof(float) * D);
+    }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+#endif
+    for (int64_t item = 0; item < num_items; item++) {
+#ifdef _OPENMP
+        float *qt = scratch + 32 * (size_t)D * omp_get_thread_num();
+#else
+        float *qt = scratch;
+#endif
+        float *ot = qt + 16 * (size_t)D;
+        const int h = (int)(item / chunks);
+        const int64_t p0 = (item % chunks) * ITEM_ROWS;
+        const int64_t p1 = p0 + ITEM_ROWS < pairs ? p0 + ITEM_ROWS : pairs;
+        const float *kbuf = kv + 2 * head_floats * h, *vbuf = kbuf + head_floats;
+        const vi16 pos = (vi16){0} + (prefix_len - 1); /* every key visible; padding masked */
+        for (int64_t r0 = p0; r0 < p1; r0 += TILE) {
+            for (int lane = 0; lane < 16; lane++) { /* lanes past the last pair repeat it */
+                const int64_t pr = r0 + lane < p1 ? r0 + lane : p1 - 1;
+                const float *qr = q + rows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D;
+                for (int d = 0; d < D; d++) qt[16 * d + lane] = qr[d] * scale;
+            }
+            v16 m, l;
+            tile_attend_dispatch(kbuf, vbuf, prefix_len, 0, qt, pos, prefix_len - 1,
+                                 prefix_len - 1, ot, &m, &l, D);
+            for (int lane = 0; lane < 16 && r0 + lane < p1; lane++) {
+                const int64_t pr = r0 + lane;
+                const int64_t row = rows[pr / G];
+                const int hq = h * G + (int)(pr % G);
+                const float ls = lse[row * num_heads + hq];
+                const float lp = m[lane] + logf(l[lane]);
+                const float mx = ls > lp ? ls : lp;
+                const float ws = expf(ls - mx), wp = expf(lp - mx);
+                const float inv = 1.0f / (ws + wp);
+                const float a = ws * inv, b = wp * inv / l[lane];
+                float *o = out + (row * num_heads + hq) * D;
+                for (int d = 0; d < D; d++) o[d] = a * o[d] + b * ot[16 * d + lane];
+            }
+        }
+    }
+    free(kv);
+    free(scratch);
+    return 0;
+}
+
 /* Returns 0 on success, nonzero when a thread's scratch allocation failed. */
 int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                         const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
@@ -804,38 +889,5 @@ void race_draw_f32(const float *x, int64_t x_stride, const float *temperature,
             }
         }
         tokens[r] = best;
-    }
-}
-
-/* ---- merging a shared-prefix (cascade) attention result into the per-sequence one ---- */
-
-/* For each of the R rows r (q row rows[r]) and head h = kv*G + g:
- *   out[rows[r], h] <- softmax-weighted mix of out[rows[r], h] (log-sum-exp lse[rows[r], h]) and
- *   o_p[kv, r, g] (log-sum-exp lse_p[kv, r, g]), i.e. attention over the union of both key sets.
- * out [T, Hq, D] and lse [T, Hq] contiguous; o_p [Hkv, R, G, D] and lse_p [Hkv, R, G]
- * contiguous (the layout the prefix attention produces). lse is left as it was. */
-void merge_prefix_f32(float *out, const float *lse, const int64_t *rows, int64_t num_rows,
-                      const float *o_p, const float *lse_p, int num_heads, int num_kv_heads,
-                      int head_dim) {
-    const int G = num_heads / num_kv_heads;
-    const int D = head_dim;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (num_rows * num_heads * head_dim >= 32768)
-#endif
-    for (int64_t r = 0; r < num_rows; r++) {
-        const int64_t row = rows[r];
-        for (int h = 0; h < num_heads; h++) {
-            const int kv = h / G, g = h % G;
-            const float ls = lse[row * num_heads + h];
-            const float lp = lse_p[((int64_t)kv * num_rows + r) * G + g];
-            const float m = ls > lp ? ls : lp;
-            const float ws = expf(ls - m), wp = expf(lp - m);
-            const float inv = 1.0f / (ws + wp);
-            const float a = ws * inv, b = wp * inv;
-            float *o = out + (row * num_heads + h) * D;
-            const float *p = o_p + (((int64_t)kv * num_rows + r) * G + g) * D;
-#pragma omp simd
-            for (int d = 0; d < D; d++) o[d] = a * o[d] + b * p[d];
-        }
     }
 }

@@ -121,32 +121,54 @@ class CpuKernels:
         self._race = lib.race_draw_f32
         self._race.argtypes = [p, i64, p, p, i64, i64, p]
         self._race.restype = None
-        self._merge = lib.merge_prefix_f32
-        self._merge.argtypes = [p, p, p, i64, p, p, i32, i32, i32]
-        self._merge.restype = None
+        self._prefix = lib.prefix_attention_merge_f32
+        self._prefix.argtypes = [p, i64, p, p, p, i32, p, i64, p, p, i32, i32, i32,
+                                 ctypes.c_float, i32]  # fmt: skip
+        self._prefix.restype = ctypes.c_int
         self.path = path
 
-    def merge_prefix_(
-        self, out: Tensor, lse: Tensor, rows: Tensor, o_p: Tensor, lse_p: Tensor
+    def prefix_attention_merge_(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        slots: Tensor,
+        rows: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        scale: float,
     ) -> None:
-        """Mix a shared-prefix attention result into ``out`` in place (see ``merge_prefix_f32``):
-        out ``[T, Hq, D]``, lse ``[T, Hq]``, rows ``[R]`` int64, o_p ``[Hkv, R, G, D]``,
-        lse_p ``[Hkv, R, G]``; all contiguous, fp32 but rows."""
-        t, hq, d = out.shape
-        hkv, r, g, dp = o_p.shape
+        """Attend rows ``rows`` ``[R]`` int64 of q to the shared prefix at cache slots ``slots``
+        ``[P]`` int64 and merge into their rows of ``out`` in place, weighted by ``lse`` (see
+        ``prefix_attention_merge_f32``). q ``[T, Hq, D]`` with each row's heads contiguous;
+        caches ``[num_blocks, block_size, Hkv, D]``; out ``[T, Hq, D]`` and lse ``[T, Hq]``
+        contiguous; fp32 but the indices."""
+        t, hq, d = q.shape
+        hkv = k_cache.shape[2]
         if not (
-            out.dtype == lse.dtype == o_p.dtype == lse_p.dtype == torch.float32
-            and rows.dtype == torch.int64
-            and all(x.is_contiguous() for x in (out, lse, rows, o_p, lse_p))
+            q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == lse.dtype == torch.float32
+            and q.stride(2) == 1
+            and q.stride(1) == d
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and v_cache.shape == k_cache.shape
+            and k_cache.shape[3] == d
+            and hq % hkv == 0
+            and out.shape == q.shape
+            and out.is_contiguous()
             and lse.shape == (t, hq)
-            and rows.shape == (r,)
-            and lse_p.shape == (hkv, r, g)
-            and hkv * g == hq
-            and dp == d
+            and lse.is_contiguous()
+            and slots.dtype == rows.dtype == torch.int64
+            and slots.is_contiguous()
+            and rows.is_contiguous()
         ):
-            raise ValueError("cpu merge_prefix: unsupported dtypes, shapes or strides")
-        self._merge(out.data_ptr(), lse.data_ptr(), rows.data_ptr(), r, o_p.data_ptr(),
-                    lse_p.data_ptr(), hq, hkv, d)  # fmt: skip
+            raise ValueError("cpu prefix attention: unsupported dtypes, shapes or strides")
+        rc = self._prefix(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slots.data_ptr(), slots.numel(), rows.data_ptr(), rows.numel(),
+                          out.data_ptr(), lse.data_ptr(), hq, hkv, d, scale,
+                          torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise MemoryError("cpu prefix attention: out of memory for its buffers")
 
     def uniform_noise(self, state: Tensor, ids: Tensor | None, k: int) -> Tensor:
         """The sampler's hashed uniforms (see ``uniform_noise_f32``): state ``[S]`` int64 row
