@@ -229,8 +229,8 @@ def build_torch_plan(
 
     ``native``: every sequence goes to the C kernels, which read the paged cache in place
     (``native_seqs`` / ``tiled_seqs``, split by ``_TILED_MIN_ROWS``), instead of into gathered
-    SDPA groups; only the shared prefixes of cascades still run in SDPA (one GEMM-shaped call
-    per prefix, merged into the kernels' results by log-sum-exp).
+    SDPA groups; the shared prefixes of cascades go to a C kernel too (one call per prefix,
+    merged into the other kernels' results by log-sum-exp).
 
     One host sync per step (the B+1 offsets and B lengths, and the block-table rows of cascade
     candidates); the index tensors are built with vectorized ops on the metadata's device.
@@ -362,10 +362,9 @@ def _attend_lse(
 class TorchAttention:
     """PyTorch paged attention (the CPU production path).
 
-    On CPU tensors in fp32, every sequence runs in the C kernels of
-    :mod:`batchgen.model.cpu_kernels` (they read the paged cache in place) when they can be built,
-    and only cascade prefixes use SDPA;
-    ``native=False`` keeps everything in PyTorch. Holds grow-only gather buffers reused by every
+    On CPU tensors in fp32, every sequence and every cascade prefix runs in the C kernels of
+    :mod:`batchgen.model.cpu_kernels` (they read the paged cache in place) when they can be built;
+    ``native=False`` keeps everything in PyTorch (gathers and SDPA). Holds grow-only gather buffers reused by every
     layer and step (a fresh allocation of tens of MB per gather costs more in page faults than
     the copy itself), so one instance must not run two forward passes concurrently.
     """
