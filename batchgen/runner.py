@@ -34,6 +34,7 @@ from batchgen.engine.request import (
 )
 from batchgen.engine.sampler import rng_key
 from batchgen.errors import JobError
+from batchgen.host_memory import keep_freed_memory
 from batchgen.job import Job, describe_fingerprint_mismatch, fingerprint
 from batchgen.model import cpu_kernels
 from batchgen.model.attention import make_attention_backend
@@ -488,6 +489,8 @@ class RowGenerator:
         self.pending: dict[int, PendingRow] = {}
         self.next_handle = 0
         attention = make_attention_backend(place.backend)
+        if place.device.type == "cpu":
+            keep_freed_memory()  # step activations reuse mapped pages instead of faulting anew
         model, _ = load_model(job.model, place.device, place.dtype, attention)
         num_blocks = plan_num_blocks(job, info, place)
         self.max_model_len = max_model_len(job, info, num_blocks)
