@@ -1,0 +1,225 @@
+"""Time the CPU C kernels (batchgen/model/cpu_kernels.c) against the PyTorch path they replace,
+side by side in one run, on the benchmark model's shapes (8 query heads, 2 KV heads, head 64,
+block 16, vocabulary 4096).
+
+    python scripts/bench_cpu_kernels.py [--threads 2] [--reps 15] [--json bench-out/cpu-kernels.json]
+
+Cases:
+- prefill / extend: the tiled kernel vs the per-token kernel vs SDPA on contiguous K/V (the
+  PyTorch path also gathers K/V out of the paged cache first; that copy is not counted here);
+- cascade prefix: the fused prefix attention + merge vs the PyTorch path (gathers, SDPA, merge);
+- decode: the per-token kernel over scattered blocks of a cache larger than the data (K/V bytes
+  read over time: the figure to compare with the machine's DRAM read rate);
+- sampler: the fused temperature-only draw vs the PyTorch formula.
+
+Every case first checks that both sides agree. Times are medians of ``--reps``; the machine is
+noisy, so compare ratios within one run. Slow-ish (a minute); not part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.engine import sampler
+from batchgen.model import cpu_kernels
+from batchgen.model.attention import TorchAttention, _Cascade
+
+HQ, HKV, D, BS, VOCAB = 8, 2, 64, 16, 4096
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def paged_case(n: int, keys: int, q_len: int, spread: int = 1, seed: int = 0) -> dict:
+    """n sequences of ``keys`` keys (the last q_len of them new) in a paged cache ``spread``
+    times larger than they need, blocks in random order."""
+    gen = torch.Generator().manual_seed(seed)
+    per = -(-keys // BS)
+    num_blocks = n * per * spread + 1
+    return dict(
+        q=torch.randn(n * q_len, HQ, D, generator=gen),
+        k_cache=torch.randn(num_blocks, BS, HKV, D, generator=gen),
+        v_cache=torch.randn(num_blocks, BS, HKV, D, generator=gen),
+        block_tables=(torch.randperm(num_blocks - 1, generator=gen)[: n * per] + 1)
+        .view(n, per)
+        .to(torch.int32),
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32) * q_len,
+        seq_lens=torch.full((n,), keys, dtype=torch.int32),
+    )
+
+
+def attention_flops(n: int, keys: int, q_len: int) -> float:
+    """QK and PV multiply-adds x 2 over the keys each new token sees (causal)."""
+    return 4.0 * HQ * D * n * sum(keys - q_len + i + 1 for i in range(q_len))
+
+
+def prefill_case(kern: cpu_kernels.CpuKernels, reps: int, n: int, keys: int, q_len: int) -> dict:
+    c = paged_case(n, keys, q_len)
+    seqs = torch.arange(n, dtype=torch.int32)
+    out = torch.empty_like(c["q"])
+    times = {}
+    for name, tiled in (("per_token", False), ("tiled", True)):  # tiled last: its out is kept
+        times[name] = median_ms(
+            lambda t=tiled: kern.paged_attention(**c, seqs=seqs, out=out, scale=0.125, tiled=t),
+            reps,
+        )
+    # SDPA on contiguous K/V, the same keys in position order
+    slots = (c["block_tables"].long()[:, :, None] * BS + torch.arange(BS)).view(n, -1)[:, :keys]
+    k = c["k_cache"].view(-1, HKV, D)[slots].transpose(1, 2)  # [n, Hkv, keys, D]
+    v = c["v_cache"].view(-1, HKV, D)[slots].transpose(1, 2)
+    q = c["q"].view(n, q_len, HQ, D).transpose(1, 2)
+    fresh = keys == q_len  # the PyTorch path runs fresh prefills with is_causal
+    pos = torch.arange(keys - q_len, keys)
+    mask = None
+    if not fresh:
+        mask = torch.zeros(q_len, keys).masked_fill_(torch.arange(keys) > pos[:, None], -torch.inf)
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=0.125, is_causal=fresh, enable_gqa=True
+        )
+
+    times["sdpa"] = median_ms(sdpa, reps)
+    ref = sdpa().transpose(1, 2).reshape(n * q_len, HQ, D)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    flops = attention_flops(n, keys, q_len)
+    return dict(
+        case=f"attend {n} seqs x {q_len} new of {keys} keys",
+        **times,
+        tiled_gflops=flops / times["tiled"] / 1e6,
+    )
+
+
+def bench_prefill(kern: cpu_kernels.CpuKernels, reps: int) -> list[dict]:
+    shapes = [(16, 256, 256), (8, 400, 400), (2, 1024, 1024), (32, 300, 40), (64, 300, 16),
+              (128, 300, 8)]  # fmt: skip
+    return [prefill_case(kern, reps, *shape) for shape in shapes]
+
+
+def prefix_case(kern: cpu_kernels.CpuKernels, reps: int, members: int, prefix: int) -> dict:
+    c = paged_case(1, prefix, 1)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(members, HQ + 2 * HKV, D, generator=gen)[:, :HQ]  # a slice of qkv
+    bt = c["block_tables"][0].long()
+    slots = (bt[:, None] * BS + torch.arange(BS)).reshape(-1)[:prefix].contiguous()
+    rows = torch.arange(members)
+    out0 = torch.randn(members, HQ, D, generator=gen)
+    lse0 = torch.randn(members, HQ, generator=gen)
+    k_flat, v_flat = c["k_cache"].view(-1, HKV, D), c["v_cache"].view(-1, HKV, D)
+    attn = TorchAttention(native=False)
+    casc = _Cascade(rows, slots)
+    outs = {}
+
+    def fused() -> None:
+        outs["c"] = out0.clone()
+        kern.prefix_attention_merge_(
+            q, c["k_cache"], c["v_cache"], slots, rows, outs["c"], lse0, 0.125
+        )
+
+    def torch_path() -> None:
+        outs["t"] = out0.clone()
+        attn._merge_prefix(casc, q, k_flat, v_flat, outs["t"], lse0, 0.125)
+
+    times = {"c_fused": median_ms(fused, reps), "torch": median_ms(torch_path, reps)}
+    torch.testing.assert_close(outs["c"], outs["t"], atol=1e-4, rtol=1e-4)
+    flops = 4.0 * HQ * D * members * prefix
+    return dict(
+        case=f"cascade prefix {prefix} keys x {members} rows",
+        **times,
+        c_gflops=flops / times["c_fused"] / 1e6,
+    )
+
+
+def bench_prefix(kern: cpu_kernels.CpuKernels, reps: int) -> list[dict]:
+    return [prefix_case(kern, reps, m, p) for m, p in [(256, 496), (64, 300)]]
+
+
+def decode_case(kern: cpu_kernels.CpuKernels, reps: int, n: int, keys: int, spread: int) -> dict:
+    layers = 8  # a different cache per call, as the layers of one step
+    cases = [paged_case(n, keys, 1, spread, seed=s) for s in range(layers)]
+    seqs = torch.arange(n, dtype=torch.int32)
+    out = torch.empty(n, HQ, D)
+
+    def step() -> None:
+        for c in cases:
+            kern.paged_attention(**c, seqs=seqs, out=out, scale=0.125)
+
+    ms = median_ms(step, reps) / layers
+    kv_bytes = n * keys * 2 * HKV * D * 4
+    return dict(
+        case=f"decode {n} seqs x {keys} keys, cache x{spread}",
+        per_token=ms,
+        gb_per_s=kv_bytes / ms / 1e6,
+    )
+
+
+def bench_decode(kern: cpu_kernels.CpuKernels, reps: int) -> list[dict]:
+    return [
+        decode_case(kern, reps, *shape) for shape in [(128, 300, 1), (128, 300, 4), (256, 80, 4)]
+    ]
+
+
+def bench_sampler(reps: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(2)
+    r = 512
+    logits = torch.randn(r, VOCAB, generator=gen) * 3
+    temperature = torch.full((r,), 0.8)
+    key = torch.randint(0, 2**62, (r,), generator=gen)
+    pos = torch.randint(0, 1000, (r,), generator=gen)
+
+    def torch_path() -> torch.Tensor:
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        noise = sampler.uniform_noise(key, pos, VOCAB).neg_().log1p_().neg_()
+        return probs.div_(noise).argmax(-1)
+
+    c_tokens = sampler._draw_plain(logits, temperature, key, pos)
+    agree = float((c_tokens == torch_path()).float().mean())
+    times = {
+        "c_fused": median_ms(lambda: sampler._draw_plain(logits, temperature, key, pos), reps),
+        "torch": median_ms(torch_path, reps),
+    }
+    return [dict(case=f"sampler draw {r} x {VOCAB}, temperature only", **times, agree=agree)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kern = cpu_kernels.load()
+    if kern is None:
+        raise SystemExit("the C kernels cannot be built here (no C compiler, or disabled)")
+    results = (
+        bench_prefill(kern, args.reps)
+        + bench_prefix(kern, args.reps)
+        + bench_decode(kern, args.reps)
+        + bench_sampler(args.reps)
+    )
+    for row in results:
+        cells = [f"{k} {v:.2f}" if isinstance(v, float) else str(v) for k, v in row.items()]
+        print(" | ".join(cells))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(threads=args.threads, results=results), indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
