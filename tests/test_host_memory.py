@@ -10,7 +10,7 @@ import pytest
 
 from batchgen import host_memory
 
-# Allocate and fill a 64 MiB tensor 20 times (as every prefill step does with its activations);
+# Allocate and fill a 64 MiB tensor 40 times (as every prefill step does with its activations);
 # print the minor page faults that took.
 _PROBE = """
 import resource, sys, torch
@@ -18,7 +18,7 @@ from batchgen.host_memory import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "on" else False
 torch.ones(1)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+for _ in range(40):
     x = torch.empty(16 << 20)
     x.fill_(1.0)
     del x
@@ -41,8 +41,10 @@ def test_freed_activations_are_reused_without_page_faults() -> None:
         pytest.skip("this libc has no mallopt (not glibc)")
     _, faults_off = _probe("off")
     pages = (64 << 20) // 4096
-    assert faults_off >= 10 * pages  # glibc's default: fresh pages for every allocation
-    assert faults_on * 3 <= faults_off  # the heap grows a few times, then its pages are reused
+    assert faults_off >= 20 * pages  # glibc's default: fresh pages for every allocation
+    # the heap grows over the first few allocations (5-8 times their pages here), then its pages
+    # are reused: a fraction of the faults, however many allocations follow
+    assert faults_on * 2 <= faults_off
 
 
 def test_user_settings_in_the_environment_win(monkeypatch: pytest.MonkeyPatch) -> None:
