@@ -31,6 +31,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -70,6 +73,26 @@ typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 
 /* exp(x) lane-wise for x <= 0: x = n*ln2 + r, |r| <= ln2/2, e^r by its degree-7 Taylor polynomial
  * (relative error < 1e-8, below fp32 rounding), 2^n through the exponent bits; 0 below -87. */
+#if defined(__AVX512F__)
+/* AVX-512: rounding and the 2^n scaling are single instructions (vrndscaleps, vscalefps) */
+static inline v16 exp16_nonpos(v16 x) {
+    const __m512 xv = (__m512)x;
+    const __mmask16 keep = _mm512_cmp_ps_mask(xv, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    const __m512 xc = _mm512_max_ps(xv, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 5040.0f), _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return (v16)_mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+#else
 static inline v16 exp16_nonpos(v16 x) {
     vi16 under = x < -87.0f;                    /* -1 where e^x underflows */
     v16 xc = (v16)(((vi16)x & ~under) | ((vi16)((v16){0} - 87.0f) & under));
@@ -88,6 +111,7 @@ static inline v16 exp16_nonpos(v16 x) {
     v16 two_n = (v16)((ni + 127) << 23);
     return (v16)((vi16)(p * two_n) & ~under);
 }
+#endif
 
 static inline v16 load16(const float *p) {
     v16 v;
