@@ -1,7 +1,7 @@
 /* CPU kernels, fp32, built and loaded at run time by cpu_kernels.py (cc -O3 -march=native
  * -fopenmp) and called through ctypes:
- *   paged_attention_f32  attention reading K/V in place from the block-paged cache (no gather)
- *   paged_prefill_f32    the same for runs of new tokens (prefills, extends), in 16-row tiles
+ *   paged_attention_f32  attention reading K/V in place from the block-paged cache (no gather),
+ *                        per token (decodes) or in 16-row tiles (prefills, extends)
  *   store_kv_f32         the step's new K/V into their cache slots
  *   rms_norm_f32, rope_f32, silu_mul_f32   one-pass layer ops
  *   uniform_noise_f32    the sampler's hashed uniforms (bit for bit the PyTorch formula)
@@ -51,6 +51,7 @@ typedef struct {
     float *lse;
     int64_t q_stride;
     int64_t bt_stride;
+    int num_seqs;
     int num_heads;
     int num_kv_heads;
     int head_dim;
@@ -486,19 +487,13 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
     }
 }
 
-/* Tiled attention of the sequences ``seqs`` (same arguments and results as
- * paged_attention_f32, for any query length; pays off on longer runs of new tokens). Returns 0
- * on success, nonzero when an allocation failed. */
-int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache,
-                      const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
-                      const int32_t *cu_seqlens_q, const int32_t *seq_lens,
-                      const int32_t *k_start, const int32_t *seqs, int num_seqs, float *out,
-                      float *lse, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                      float scale, int num_threads) {
-    if (num_seqs <= 0) return 0;
-    Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs, out, lse,
-              q_stride, bt_stride, num_heads, num_kv_heads, head_dim, block_size, 0, scale};
-    const int G = num_heads / num_kv_heads;
+/* The tiled variant of paged_attention_f32 (see there). Returns 0 on success, nonzero when an
+ * allocation failed. */
+static int attend_tiled(Args a, int num_threads) {
+    const int32_t *seqs = a.seqs, *cu_seqlens_q = a.cu_seqlens_q, *seq_lens = a.seq_lens;
+    const int32_t *k_start = a.k_start;
+    const int num_seqs = a.num_seqs, num_kv_heads = a.num_kv_heads, head_dim = a.head_dim;
+    const int G = a.num_heads / num_kv_heads;
     const int chunk = ITEM_ROWS / G > 0 ? ITEM_ROWS / G : 1; /* tokens per item */
     int64_t num_items = 0;
     for (int s = 0; s < num_seqs; s++) {
@@ -633,16 +628,12 @@ int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_
     return 0;
 }
 
-/* Returns 0 on success, nonzero when a thread's scratch allocation failed. */
-int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                        const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
-                        const int32_t *cu_seqlens_q, const int32_t *seq_lens,
-                        const int32_t *k_start, const int32_t *seqs, int num_seqs, float *out,
-                        float *lse, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                        float scale, int num_threads) {
-    if (num_seqs <= 0) return 0;
-    Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs, out, lse,
-              q_stride, bt_stride, num_heads, num_kv_heads, head_dim, block_size, 0, scale};
+/* The per-token variant of paged_attention_f32. Returns 0 on success, nonzero when a thread's
+ * scratch allocation failed. */
+static int attend_per_token(Args a, int num_threads) {
+    const int32_t *seqs = a.seqs, *cu_seqlens_q = a.cu_seqlens_q, *seq_lens = a.seq_lens;
+    const int32_t *k_start = a.k_start;
+    const int num_seqs = a.num_seqs, num_kv_heads = a.num_kv_heads;
     /* cost of each sequence ~ q_len * keys; split items into contiguous ranges of equal cost */
     double total = 0.0;
     for (int s = 0; s < num_seqs; s++) {
@@ -690,6 +681,22 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
     int rc = 0;
     for (int t = 0; t < num_threads; t++) rc |= tasks[t].failed;
     return rc;
+}
+
+/* Attention of the sequences ``seqs`` (layouts and semantics in the header comment), per token
+ * (tiled = 0: decodes, short extends) or in 16-row tiles (tiled = 1: prefills, longer extends).
+ * Returns 0 on success, nonzero when an allocation failed. */
+int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                        const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                        const int32_t *cu_seqlens_q, const int32_t *seq_lens,
+                        const int32_t *k_start, const int32_t *seqs, int num_seqs, float *out,
+                        float *lse, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                        float scale, int tiled, int num_threads) {
+    if (num_seqs <= 0) return 0;
+    const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
+                    out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
+                    block_size, 0, scale};
+    return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
 }
 
 /* Write the step's new keys and values into the cache: row t of k (at k + t*k_stride, Hkv*D

@@ -96,12 +96,9 @@ class CpuKernels:
         fn = lib.paged_attention_f32
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i32, p, p, i32, i32, i32, i32,
-                       ctypes.c_float, i32]  # fmt: skip
+                       ctypes.c_float, i32, i32]  # fmt: skip
         fn.restype = ctypes.c_int
         self._attention = fn
-        self._prefill = lib.paged_prefill_f32
-        self._prefill.argtypes = fn.argtypes
-        self._prefill.restype = ctypes.c_int
         store = lib.store_kv_f32
         store.argtypes = [p, i64, p, i64, p, p, p, i64, i64]
         store.restype = None
@@ -311,8 +308,8 @@ class CpuKernels:
     ) -> None:
         """Attention of the sequences ``seqs`` ``[m]`` int32, written into their rows of ``out``.
 
-        ``tiled``: the 16-row tiled kernel (``paged_prefill_f32``), faster on runs of new tokens
-        (prefills, extends); else the per-token one (``paged_attention_f32``), for decodes.
+        ``tiled``: the 16-row tiled variant, faster on runs of new tokens (prefills, extends);
+        else the per-token one, for decodes.
 
         q ``[T, Hq, D]`` fp32 with each row's heads contiguous (a column slice of the fused qkv
         output is fine); caches ``[num_blocks, block_size, Hkv, D]`` contiguous fp32;
@@ -342,7 +339,7 @@ class CpuKernels:
             and hq % hkv == 0
         ):
             raise ValueError("cpu paged attention: unsupported dtypes, shapes or strides")
-        rc = (self._prefill if tiled else self._attention)(
+        rc = self._attention(
             q.data_ptr(),
             q.stride(0),
             k_cache.data_ptr(),
@@ -361,6 +358,7 @@ class CpuKernels:
             d,
             block_size,
             scale,
+            int(tiled),
             torch.get_num_threads(),
         )
         if rc != 0:
