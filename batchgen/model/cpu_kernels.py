@@ -1,6 +1,7 @@
-"""CPU kernels in C (``cpu_kernels.c``): paged attention straight from the block-paged KV cache,
-the K/V store, the merge of a shared-prefix (cascade) result, one-pass RMSNorm, RoPE and SwiGLU,
-and the sampler's hashed noise and temperature-only draw.
+"""CPU kernels in C (``cpu_kernels.c``): paged attention straight from the block-paged KV cache
+(per token for decodes, tiled for prefills and extends), attention over a shared prefix (cascade)
+merged into its rows' results, the K/V store, one-pass RMSNorm, RoPE and SwiGLU, and the
+sampler's hashed noise and temperature-only draw.
 
 The pure-PyTorch path has to copy every sequence's keys and values out of the paged cache into
 contiguous buffers before ``scaled_dot_product_attention`` can read them: on decode steps that
