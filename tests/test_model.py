@@ -160,14 +160,17 @@ def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def use_native(native: bool, monkeypatch: pytest.MonkeyPatch) -> TorchAttention:
-    """The attention backend for a test, with the C kernels on (when they can be built here) or
-    off everywhere (attention, RMSNorm, RoPE, SwiGLU: the pure-PyTorch path)."""
-    from batchgen.model import cpu_kernels, llama
+    """The attention backend for a test, with the C kernels and pre-packed GEMM weights on (when
+    they can be here) or off everywhere (attention, RMSNorm, RoPE, SwiGLU, ``F.linear``: the
+    pure-PyTorch path)."""
+    from batchgen.model import cpu_kernels, llama, packed_linear
 
     if native and cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot be built here (no C compiler?)")
     if not native:
         monkeypatch.setattr(llama, "_native", lambda x: None)
+        monkeypatch.setattr(packed_linear, "_tried", True)
+        monkeypatch.setattr(packed_linear, "_mkl", None)
     return TorchAttention(native=native)
 
 

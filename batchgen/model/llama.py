@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from batchgen.model import cpu_kernels
 from batchgen.model.attention import AttentionBackend, AttentionMetadata
 from batchgen.model.cpu_kernels import CpuKernels
+from batchgen.model.packed_linear import linear, linear_add_, pack_, packing_available
 
 __all__ = ["RopeConfig", "ModelConfig", "LlamaForCausalLM", "rope_inv_freq"]
 
@@ -157,14 +158,6 @@ def _native(x: Tensor) -> CpuKernels | None:
     return cpu_kernels.for_dtype(x.device, x.dtype)
 
 
-def linear_add_(x: Tensor, h: Tensor, proj: nn.Linear) -> Tensor:
-    """``x += proj(h)`` in place, returns x: without a bias the add happens inside the GEMM
-    (``addmm_``, beta = 1), with no [T, out] temporary and no second pass over x."""
-    if proj.bias is None:
-        return x.addmm_(h, proj.weight.t())
-    return x.add_(proj(h))
-
-
 def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE in place; returns x. x ``[T, H, D]`` (heads of a row contiguous, any row
     stride: a column slice of qkv); cos/sin ``[T, D/2]`` (the halves of HF's tables).
@@ -216,7 +209,7 @@ class LlamaAttention(nn.Module):
         """h ``[T, hidden]`` normed input -> ``residual += o_proj(attention)``, in place."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) * D]
+        qkv = linear(h, self.qkv_proj)  # [T, (Hq + 2 Hkv) * D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         if self.q_norm is None:
             # q and k rotated together, in place in qkv (ours alone)
@@ -242,7 +235,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
         """x ``[T, hidden]`` normed input -> ``residual += mlp(x)``, in place."""
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate_up = linear(x, self.gate_up_proj)  # [T, 2I]
         native = _native(gate_up)
         if native is not None and gate_up.is_contiguous():
             act = native.silu_mul_(gate_up)  # one pass, in place
@@ -327,7 +320,19 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
         return self.norm(x)
 
+    def pack_weights(self) -> int:
+        """Pre-pack the linear weights for the CPU GEMM where possible (:mod:`packed_linear`);
+        a tied LM head gets a packed copy of the embedding. Returns how many were packed."""
+        embed = self.embed_tokens.weight
+        if self.lm_head is None and packing_available(embed.device, embed.dtype):
+            self.lm_head = nn.Linear(
+                self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta"
+            )
+            self.lm_head.weight = embed  # packed as a copy; the embedding keeps its own
+        return pack_(self)
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden ``[S, hidden]`` -> logits ``[S, vocab]`` float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return linear(hidden, self.lm_head).float()

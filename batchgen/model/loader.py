@@ -513,6 +513,7 @@ def load_model(
     model.rope_cos = model.rope_cos.to(device)
     model.rope_sin = model.rope_sin.to(device)
     model.eval().requires_grad_(False)
+    model.pack_weights()
     return model, _info(cfg, eos)
 
 
