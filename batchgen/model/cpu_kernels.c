@@ -431,10 +431,61 @@ static void tile_attend_dispatch(const float *kbuf, const float *vbuf, int num_k
         tile_attend(kbuf, vbuf, num_keys, k0, qt, pos, pos_min, pos_max, ot, m, l, D);
 }
 
+/* r[0..16) in place from rows to columns: afterwards r[j][i] is the old r[i][j]. Four rounds
+ * swap the off-diagonal blocks of 8, 4, 2 and 1 lanes: 64 two-source shuffles in all. */
+#define SWAP_BLOCKS(B, ...)                                                                     \
+    for (int i = 0; i < 16; i++) {                                                             \
+        if (i & (B)) continue;                                                                 \
+        const v16 a = r[i], b = r[i + (B)];                                                    \
+        r[i] = __builtin_shufflevector(a, b, __VA_ARGS__);                                     \
+        r[i + (B)] = __builtin_shufflevector(a, b, HI_##B);                                    \
+    }
+#define HI_8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define HI_4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define HI_2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define HI_1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+static inline void transpose16(v16 *r) {
+    SWAP_BLOCKS(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+    SWAP_BLOCKS(4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+    SWAP_BLOCKS(2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+    SWAP_BLOCKS(1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+}
+#undef SWAP_BLOCKS
+
+/* A tile's query rows into its transposed layout: qt[16*d + lane] = rows[lane][d] * scale. */
+static void load_tile(const float *const *rows, float scale, int D, float *qt) {
+    if (D % 16) {
+        for (int lane = 0; lane < 16; lane++)
+            for (int d = 0; d < D; d++) qt[16 * d + lane] = rows[lane][d] * scale;
+        return;
+    }
+    for (int c = 0; c < D; c += 16) {
+        v16 r[16];
+        for (int lane = 0; lane < 16; lane++) r[lane] = load16(rows[lane] + c) * scale;
+        transpose16(r);
+        for (int j = 0; j < 16; j++) store16(qt + 16 * (c + j), r[j]);
+    }
+}
+
+/* The transposed tile output back to rows: out[lane*D + d] = ot[16*d + lane]. */
+static void unload_tile(const float *ot, int D, float *out) {
+    if (D % 16) {
+        for (int lane = 0; lane < 16; lane++)
+            for (int d = 0; d < D; d++) out[lane * D + d] = ot[16 * d + lane];
+        return;
+    }
+    for (int c = 0; c < D; c += 16) {
+        v16 r[16];
+        for (int j = 0; j < 16; j++) r[j] = load16(ot + 16 * (c + j));
+        transpose16(r);
+        for (int lane = 0; lane < 16; lane++) store16(out + lane * D + c, r[lane]);
+    }
+}
+
 /* One item: gather its keys, then every tile of its rows. Scratch: kbuf and vbuf hold
- * (max_keys + 16) * D floats each, qt and ot 16 * D each. */
+ * (max_keys + 16) * D floats each, qt, ot and orow 16 * D each. */
 static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float *vbuf, float *qt,
-                          float *ot) {
+                          float *ot, float *orow) {
     const int G = a->num_heads / a->num_kv_heads;
     const int D = a->head_dim;
     const int bs = a->block_size;
@@ -461,27 +512,30 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
     const int rows = (it->t_end - it->t_begin) * G;
     for (int r0 = 0; r0 < rows; r0 += TILE) {
         int32_t pos_l[16];
+        const float *qrows[16];
         int pos_min = 1 << 30, pos_max = -1;
         for (int lane = 0; lane < 16; lane++) { /* lanes past the last row repeat it */
             const int r = r0 + lane < rows ? r0 + lane : rows - 1;
             const int t = it->t_begin + r / G, g = r % G;
-            const float *qr = a->q + (int64_t)(q0 + t) * a->q_stride + (int64_t)(it->kv_head * G + g) * D;
-            for (int d = 0; d < D; d++) qt[16 * d + lane] = qr[d] * a->scale;
+            qrows[lane] = a->q + (int64_t)(q0 + t) * a->q_stride + (int64_t)(it->kv_head * G + g) * D;
             pos_l[lane] = first_pos + t;
             if (pos_l[lane] < pos_min) pos_min = pos_l[lane];
             if (pos_l[lane] > pos_max) pos_max = pos_l[lane];
         }
+        load_tile(qrows, a->scale, D, qt);
         vi16 pos;
         memcpy(&pos, pos_l, sizeof pos);
         v16 m, l;
         tile_attend_dispatch(kbuf, vbuf, num_keys, k0, qt, pos, pos_min, pos_max, ot, &m, &l, D);
+        unload_tile(ot, D, orow);
         for (int lane = 0; lane < 16 && r0 + lane < rows; lane++) {
             const int r = r0 + lane;
             const int t = it->t_begin + r / G, h = it->kv_head * G + r % G;
             const int64_t row = q0 + t;
             float *o = a->out + (row * a->num_heads + h) * D;
             const float inv = l[lane] > 0.0f ? 1.0f / l[lane] : 0.0f;
-            for (int d = 0; d < D; d++) o[d] = ot[16 * d + lane] * inv;
+            const float *src = orow + (int64_t)lane * D;
+            for (int d = 0; d < D; d++) o[d] = src[d] * inv;
             if (a->lse) a->lse[row * a->num_heads + h] = l[lane] > 0.0f ? m[lane] + logf(l[lane]) : -INFINITY;
         }
     }
@@ -518,9 +572,9 @@ static int attend_tiled(Args a, int num_threads) {
     }
     if (num_threads < 1) num_threads = 1;
     if ((int64_t)num_threads > num_items) num_threads = (int)num_items;
-    /* per thread: kbuf, vbuf ((max_keys + 16) * D each), qt, ot (16 * D each) */
+    /* per thread: kbuf, vbuf ((max_keys + 16) * D each), qt, ot, orow (16 * D each) */
     const size_t kv_floats = (size_t)(a.max_keys + 16) * head_dim;
-    const size_t per_thread = 2 * kv_floats + 2 * 16 * (size_t)head_dim;
+    const size_t per_thread = 2 * kv_floats + 3 * 16 * (size_t)head_dim;
     float *scratch = (float *)malloc(sizeof(float) * per_thread * num_threads);
     if (!scratch) {
         free(items);
@@ -536,7 +590,7 @@ static int attend_tiled(Args a, int num_threads) {
         float *kbuf = scratch;
 #endif
         float *vbuf = kbuf + kv_floats, *qt = vbuf + kv_floats, *ot = qt + 16 * (size_t)head_dim;
-        run_tile_item(&a, &items[i], kbuf, vbuf, qt, ot);
+        run_tile_item(&a, &items[i], kbuf, vbuf, qt, ot, ot + 16 * (size_t)head_dim);
     }
     free(scratch);
     free(items);
@@ -568,7 +622,7 @@ int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_
     const int64_t num_items = chunks * num_kv_heads;
     if (num_threads < 1) num_threads = 1;
     if ((int64_t)num_threads > num_items) num_threads = (int)num_items;
-    float *scratch = (float *)malloc(sizeof(float) * 32 * (size_t)D * num_threads);
+    float *scratch = (float *)malloc(sizeof(float) * 48 * (size_t)D * num_threads);
     if (!kv || !scratch) {
         free(kv);
         free(scratch);
@@ -589,25 +643,27 @@ int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_
 #endif
     for (int64_t item = 0; item < num_items; item++) {
 #ifdef _OPENMP
-        float *qt = scratch + 32 * (size_t)D * omp_get_thread_num();
+        float *qt = scratch + 48 * (size_t)D * omp_get_thread_num();
 #else
         float *qt = scratch;
 #endif
-        float *ot = qt + 16 * (size_t)D;
+        float *ot = qt + 16 * (size_t)D, *orow = ot + 16 * (size_t)D;
         const int h = (int)(item / chunks);
         const int64_t p0 = (item % chunks) * ITEM_ROWS;
         const int64_t p1 = p0 + ITEM_ROWS < pairs ? p0 + ITEM_ROWS : pairs;
         const float *kbuf = kv + 2 * head_floats * h, *vbuf = kbuf + head_floats;
         const vi16 pos = (vi16){0} + (prefix_len - 1); /* every key visible; padding masked */
         for (int64_t r0 = p0; r0 < p1; r0 += TILE) {
+            const float *qrows[16];
             for (int lane = 0; lane < 16; lane++) { /* lanes past the last pair repeat it */
                 const int64_t pr = r0 + lane < p1 ? r0 + lane : p1 - 1;
-                const float *qr = q + rows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D;
-                for (int d = 0; d < D; d++) qt[16 * d + lane] = qr[d] * scale;
+                qrows[lane] = q + rows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D;
             }
+            load_tile(qrows, scale, D, qt);
             v16 m, l;
             tile_attend_dispatch(kbuf, vbuf, prefix_len, 0, qt, pos, prefix_len - 1,
                                  prefix_len - 1, ot, &m, &l, D);
+            unload_tile(ot, D, orow);
             for (int lane = 0; lane < 16 && r0 + lane < p1; lane++) {
                 const int64_t pr = r0 + lane;
                 const int64_t row = rows[pr / G];
@@ -619,7 +675,8 @@ int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_
                 const float inv = 1.0f / (ws + wp);
                 const float a = ws * inv, b = wp * inv / l[lane];
                 float *o = out + (row * num_heads + hq) * D;
-                for (int d = 0; d < D; d++) o[d] = a * o[d] + b * ot[16 * d + lane];
+                const float *src = orow + (int64_t)lane * D;
+                for (int d = 0; d < D; d++) o[d] = a * o[d] + b * src[d];
             }
         }
     }
