@@ -128,12 +128,13 @@ def prefix_case(kern: cpu_kernels.CpuKernels, reps: int, members: int, prefix: i
     def fused() -> None:
         outs["c"] = out0.clone()
         kern.prefix_attention_merge_(
-            q, c["k_cache"], c["v_cache"], slots, rows, outs["c"], lse0, 0.125
-        )
+            q, c["k_cache"], c["v_cache"], slots, torch.tensor([0, prefix]), rows,
+            torch.tensor([0, members]), outs["c"], lse0.clone(), 0.125,
+        )  # fmt: skip
 
     def torch_path() -> None:
         outs["t"] = out0.clone()
-        attn._merge_prefix(casc, q, k_flat, v_flat, outs["t"], lse0, 0.125)
+        attn._merge_prefix(casc, q, k_flat, v_flat, outs["t"], lse0.clone(), 0.125)
 
     times = {"c_fused": median_ms(fused, reps), "torch": median_ms(torch_path, reps)}
     torch.testing.assert_close(outs["c"], outs["t"], atol=1e-4, rtol=1e-4)

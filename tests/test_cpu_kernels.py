@@ -268,41 +268,58 @@ def test_uniform_noise_bit_identical_to_torch(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
 @pytest.mark.parametrize("prefix_len", [1, 16, 37])
-def test_prefix_attention_merge_matches_attention_over_both_parts(
+def test_prefix_attention_merge_matches_attention_over_all_parts(
     hq: int, hkv: int, d: int, bs: int, prefix_len: int
 ) -> None:
-    """Rows that attended to their own keys (out, lse) and then to a shared prefix through the
-    kernel equal attention over the prefix and their own keys together; other rows untouched."""
+    """Rows that attended to their own keys (out, lse) and then, through the kernel, to shared
+    prefixes end with attention (and log-sum-exp) over all their keys; other rows untouched.
+
+    Keys: an outer prefix [0, P), an inner one [P, P + 7), then the rows' own keys. Call 1 (the
+    inner depth) holds two prefixes: the inner one for rows 7, 0, 3 and the outer one for rows
+    1, 5; call 2 the outer one for rows 7, 0, 3, 10, 4.
+    """
     gen = torch.Generator().manual_seed(hq + d + prefix_len)
-    t, own = 11, 9
-    c = make_case(hq, hkv, d, bs, [1], [prefix_len + own], seed=prefix_len)
+    t, inner, own = 11, 7, 9
+    c = make_case(hq, hkv, d, bs, [1], [prefix_len + inner + own], seed=prefix_len)
     kc, vc = c["k_cache"], c["v_cache"]
     bt = c["block_tables"][0].tolist()
-    slots_all = [bt[i // bs] * bs + i % bs for i in range(prefix_len + own)]
+    slots_all = [bt[i // bs] * bs + i % bs for i in range(prefix_len + inner + own)]
     k = kc.reshape(-1, hkv, d)[slots_all].double()  # [L, Hkv, D]
     v = vc.reshape(-1, hkv, d)[slots_all].double()
     q = torch.randn(t, hq + 2 * hkv, d, generator=gen)[:, :hq] * 2  # a column slice, like qkv
-    rows = torch.tensor([7, 0, 3, 10, 4])
     grp = hq // hkv
     scale = 0.3
 
-    def attend(keys: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         qh = q.double().contiguous().view(t, hkv, grp, d)
         s = torch.einsum("thgd,khd->thgk", qh, k[keys]) * scale
         lse = torch.logsumexp(s, -1)
         o = torch.einsum("thgk,khd->thgd", s.softmax(-1), v[keys])
         return o.reshape(t, hq, d).float().contiguous(), lse.reshape(t, hq).float().contiguous()
 
-    out, lse = attend(slice(prefix_len, None))  # each row's own part
-    want, _ = attend(slice(None))
-    before = out.clone()
-    lse_before = lse.clone()
-    slots = torch.tensor(slots_all[:prefix_len])
-    KERNEL.prefix_attention_merge_(q, kc, vc, slots, rows, out, lse, scale)
-    torch.testing.assert_close(out[rows], want[rows], atol=2e-5, rtol=1e-5)
-    others = torch.tensor([i for i in range(t) if i not in rows.tolist()])
+    outer = list(range(prefix_len))
+    mid = list(range(prefix_len, prefix_len + inner))
+    mine = list(range(prefix_len + inner, prefix_len + inner + own))
+    out, lse = attend(mine)  # each row's own part
+    before, lse_before = out.clone(), lse.clone()
+
+    def call(parts: list[tuple[list[int], list[int]]]) -> None:
+        """parts: (key positions, rows) per prefix."""
+        slots = torch.tensor([slots_all[i] for keys, _ in parts for i in keys])
+        rows = torch.tensor([r for _, rs in parts for r in rs])
+        slot_off = torch.tensor([0] + [len(keys) for keys, _ in parts]).cumsum(0)
+        row_off = torch.tensor([0] + [len(rs) for _, rs in parts]).cumsum(0)
+        KERNEL.prefix_attention_merge_(q, kc, vc, slots, slot_off, rows, row_off, out, lse, scale)
+
+    call([(mid, [7, 0, 3]), (outer, [1, 5])])
+    call([(outer, [7, 0, 3, 10, 4])])
+    for rows, keys in (([7, 0, 3], outer + mid + mine), ([1, 5, 10, 4], outer + mine)):
+        want, want_lse = attend(keys)
+        torch.testing.assert_close(out[rows], want[rows], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[rows], want_lse[rows], atol=2e-5, rtol=1e-5)
+    others = [2, 6, 8, 9]
     assert torch.equal(out[others], before[others])
-    assert torch.equal(lse, lse_before)
+    assert torch.equal(lse[others], lse_before[others])
 
 
 @pytest.mark.parametrize("vocab", [1, 16, 17, 4099])

@@ -316,9 +316,10 @@ def test_torch_attention_matches_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Mixed batches through every path: decode, fresh prefill, extend, padded groups, and
-    cascades over shared prefix blocks; unused cache blocks are NaN. ``native``: every sequence
-    in the C kernels (reading the paged cache in place), per token or tiled; cascade prefixes in
-    PyTorch."""
+    cascades over shared prefix blocks (some members sharing more blocks than the cascade's);
+    unused cache blocks are NaN.
+    ``native``: every sequence and every cascade prefix in the C kernels (reading the paged
+    cache in place), per token or tiled."""
     from batchgen.model import attention, cpu_kernels
 
     if native and cpu_kernels.load() is None:
@@ -331,16 +332,19 @@ def test_torch_attention_matches_reference(
         monkeypatch.setattr(attention, "_flash_cpu", None)
     gen = torch.Generator().manual_seed(hq * 100 + block_size)
     d, bs = 8, block_size
-    pools = {"a": 3, "b": 1}  # shared prefixes, in blocks
-    # (new tokens, cached tokens, shared prefix pool): decodes of different lengths, fresh
-    # prefills, chunks after a cached prefix, a long sequence, and sequences sharing a prefix
+    pools = {"a": 3, "b": 1, "c": 2}  # shared prefixes, in blocks ("c" follows "a")
+    # (new tokens, cached tokens, shared prefix pools): decodes of different lengths, fresh
+    # prefills, chunks after a cached prefix, a long sequence, and sequences sharing a prefix,
+    # some of them a longer one (a, then c)
     specs = [
-        (1, 0, None), (1, 7, None), (1, 16, None), (1, 300, None), (5, 0, None), (16, 0, None),
-        (40, 0, None), (3, 13, None), (9, 32, None), (2, 200, None),
-        (1, 3 * bs + 5, "a"), (1, 3 * bs, "a"), (4, 3 * bs + 2, "a"), (1, 3 * bs + 20, "a"),
-        (1, bs + 1, "b"), (3, bs, "b"),
+        (1, 0, ()), (1, 7, ()), (1, 16, ()), (1, 300, ()), (5, 0, ()), (16, 0, ()),
+        (40, 0, ()), (3, 13, ()), (9, 32, ()), (2, 200, ()),
+        (1, 3 * bs + 5, ("a",)), (1, 3 * bs, ("a",)), (4, 3 * bs + 2, ("a",)),
+        (1, 3 * bs + 20, ("a",)), (1, bs + 1, ("b",)), (3, bs, ("b",)),
+        (1, 5 * bs + 3, ("a", "c")), (2, 5 * bs + 1, ("a", "c")), (1, 5 * bs, ("a", "c")),
     ]  # fmt: skip
-    own = [math.ceil((q + c) / bs) - (pools[p] if p else 0) for q, c, p in specs]
+    shared = [sum(pools[p] for p in ps) for _, _, ps in specs]
+    own = [math.ceil((q + c) / bs) - shared[b] for b, (q, c, _) in enumerate(specs)]
     num_blocks = sum(own) + sum(pools.values()) + 3
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     pool_blocks = {}
@@ -354,15 +358,15 @@ def test_torch_attention_matches_reference(
             k_flat[blk * bs : (blk + 1) * bs] = torch.randn(bs, hkv, d, generator=gen)
             v_flat[blk * bs : (blk + 1) * bs] = torch.randn(bs, hkv, d, generator=gen)
     tables = []
-    for b, (_, _, pool) in enumerate(specs):
+    for b, (_, _, ps) in enumerate(specs):
         mine, perm = perm[: own[b]], perm[own[b] :]
-        tables.append((pool_blocks[pool] if pool else []) + mine)
+        tables.append([blk for p in ps for blk in pool_blocks[p]] + mine)
     bt = torch.zeros(len(specs), max(len(t) for t in tables), dtype=torch.int32)
     slots, cu = [], [0]
-    for b, (q_len, cached, pool) in enumerate(specs):
+    for b, (q_len, cached, _) in enumerate(specs):
         table = tables[b]
         bt[b, : len(table)] = torch.tensor(table)
-        for i in range(pools[pool] * bs if pool else 0, cached):  # the rest of the cached part
+        for i in range(shared[b] * bs, cached):  # the rest of the cached part
             s = table[i // bs] * bs + i % bs
             k_flat[s] = torch.randn(hkv, d, generator=gen)
             v_flat[s] = torch.randn(hkv, d, generator=gen)
@@ -391,8 +395,11 @@ def test_torch_attention_matches_reference(
         assert sorted(plan.native_seqs.tolist() + tiled) == list(range(len(specs)))
     else:
         assert len(plan.groups) >= 3 and plan.native_seqs is None
-    if tuning != "default":
-        assert len(plan.cascades) == 2
+    if tuning != "default" and native:  # a (its members' c blocks are their own keys) and b
+        assert plan.cascade_batch is not None and not plan.cascades
+        assert plan.cascade_batch.slot_offsets.tolist() == [0, 3 * bs, 4 * bs]
+    elif tuning != "default":
+        assert len(plan.cascades) == 2 and plan.cascade_batch is None
     # a second layer reuses the plan
     out2 = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
     assert meta.torch_plan is plan

@@ -143,6 +143,17 @@ class _Cascade:
 
 
 @dataclass
+class _CascadeBatch:
+    """Every cascade of a step, concatenated for one C call: cascade c has the cache slots
+    ``slots[slot_offsets[c]:slot_offsets[c+1]]`` and the q rows likewise."""
+
+    slots: Tensor  # [sum Lp] int64
+    slot_offsets: Tensor  # [C+1] int64
+    rows: Tensor  # [sum R] int64
+    row_offsets: Tensor  # [C+1] int64
+
+
+@dataclass
 class TorchAttentionPlan:
     """Gather indices and masks of one step, computed at the first layer and reused by the rest."""
 
@@ -151,7 +162,8 @@ class TorchAttentionPlan:
     dtype: torch.dtype  # of q (float masks are in this dtype)
     num_tokens: int
     groups: list[_Group]
-    cascades: list[_Cascade]
+    cascades: list[_Cascade]  # PyTorch plans
+    cascade_batch: _CascadeBatch | None = None  # native plans: all cascades, one C call
     # the C kernels' share (``native`` plans: every sequence), one call each
     native_seqs: Tensor | None = None  # [m] int32 sequences for the per-token kernel
     tiled_seqs: Tensor | None = None  # [m] int32 sequences for the tiled kernel
@@ -189,11 +201,14 @@ def _split_groups(
 
 def _find_cascades(
     meta: AttentionMetadata, q_lens: list[int], k_lens: list[int], block_size: int
-) -> list[tuple[list[int], int]]:
-    """Sets of sequences sharing leading cached blocks: ``(members, prefix_blocks)``.
+) -> list[tuple[list[int], list[int]]]:
+    """Sets of sequences sharing leading cached blocks: ``(members, blocks)``, the blocks their
+    tables all start with.
 
     Only whole blocks of the cached context (positions before every member's first new token)
-    count, so every new token of every member sees the whole prefix.
+    count, so every new token of every member sees the whole prefix. (Nesting them, e.g. the n
+    samples of each prompt under a shared system prompt, measured slower: siblings run one after
+    another, so the per-token kernel finds their common blocks in cache already.)
     """
     cands = [b for b in range(len(k_lens)) if k_lens[b] - q_lens[b] >= block_size]
     if len(cands) < 2:
@@ -214,7 +229,7 @@ def _find_cascades(
         same = (sub == sub[0]).all(0).to(torch.int64)  # [limit]
         prefix = int(same.cumprod(0).sum())
         if (len(members) - 1) * prefix * block_size >= _CASCADE_MIN_SAVED:
-            found.append((members, prefix))
+            found.append((members, sub[0, :prefix].tolist()))
     return found
 
 
@@ -229,7 +244,7 @@ def build_torch_plan(
 
     ``native``: every sequence goes to the C kernels, which read the paged cache in place
     (``native_seqs`` / ``tiled_seqs``, split by ``_TILED_MIN_ROWS``), instead of into gathered
-    SDPA groups; the shared prefixes of cascades go to a C kernel too (one call per prefix,
+    SDPA groups; the shared prefixes of cascades go to a C kernel too (one call for all of them,
     merged into the other kernels' results by log-sum-exp).
 
     One host sync per step (the B+1 offsets and B lengths, and the block-table rows of cascade
@@ -244,22 +259,22 @@ def build_torch_plan(
     cu_t = meta.cu_seqlens_q.to(torch.int64)
     seq_lens_t = meta.seq_lens.to(torch.int64)
 
-    # shared prefixes: members skip the prefix in their own groups (key offset ``start``)
+    # shared prefixes: members skip them in their own groups (key offset ``start``)
     start = [0] * num_seqs
-    cascades: list[_Cascade] = []
-    for members, prefix_blocks in _find_cascades(meta, q_lens, k_lens, block_size):
-        prefix_len = prefix_blocks * block_size
+    found = _find_cascades(meta, q_lens, k_lens, block_size)
+    rows_of: list[list[int]] = []  # per cascade: the members' q rows
+    slots_of: list[list[int]] = []  # and the prefix's cache slots, in position order
+    for members, blocks in found:
         for b in members:
-            start[b] = prefix_len
-        idx = torch.tensor(members, device=dev)
-        first, n_rows = cu_t[idx], cu_t[idx + 1] - cu_t[idx]  # [m]
-        total = sum(q_lens[b] for b in members)
-        # the members' q rows, concatenated: row i of member j is first[j] + (i - offset[j])
-        shift = torch.repeat_interleave(first - (n_rows.cumsum(0) - n_rows), n_rows)
-        rows = torch.arange(total, device=dev) + shift  # [R]
-        blocks = meta.block_tables[members[0], :prefix_blocks].to(torch.int64)
-        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=dev)).reshape(-1)
-        cascades.append(_Cascade(rows, slots))
+            start[b] = len(blocks) * block_size
+        rows_of.append([r for b in members for r in range(cu[b], cu[b + 1])])
+        slots_of.append([blk * block_size + i for blk in blocks for i in range(block_size)])
+    cascades: list[_Cascade] = []
+    if not native:
+        cascades = [
+            _Cascade(torch.tensor(r, device=dev), torch.tensor(sl, device=dev))
+            for r, sl in zip(rows_of, slots_of, strict=True)
+        ]
     rel_k = [k_lens[b] - start[b] for b in range(num_seqs)]  # keys each group attends to
 
     classes: dict[tuple[int, bool], list[int]] = {}
@@ -335,8 +350,14 @@ def build_torch_plan(
         plan.native_seqs = torch.tensor(native_seqs, dtype=torch.int32)
     if tiled_seqs:
         plan.tiled_seqs = torch.tensor(tiled_seqs, dtype=torch.int32)
-    if native and cascades:
+    if native and found:
         plan.k_start = torch.tensor(start, dtype=torch.int32)
+        plan.cascade_batch = _CascadeBatch(
+            torch.tensor([x for sl in slots_of for x in sl], dtype=torch.int64),
+            torch.tensor([0] + [len(sl) for sl in slots_of]).cumsum(0),
+            torch.tensor([x for r in rows_of for x in r], dtype=torch.int64),
+            torch.tensor([0] + [len(r) for r in rows_of]).cumsum(0),
+        )
     return plan
 
 
@@ -429,12 +450,14 @@ class TorchAttention:
             len(plan.groups) == 1
             and plan.groups[0].q_index is None
             and not plan.cascades
+            and plan.cascade_batch is None
             and plan.native_seqs is None
             and plan.tiled_seqs is None
         ):
             return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale)[0]
         out = q.new_empty(num_tokens, num_heads, head_dim)
-        lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if plan.cascades else None
+        with_lse = plan.cascades or plan.cascade_batch is not None
+        lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if with_lse else None
         for seqs, tiled in ((plan.native_seqs, False), (plan.tiled_seqs, True)):
             if seqs is None:
                 continue
@@ -465,14 +488,16 @@ class TorchAttention:
             if lse is not None:
                 assert lse_all is not None
                 lse_all.index_copy_(0, rows, lse)
+        cb = plan.cascade_batch
+        if cb is not None:  # attention and merge in one pass, the prefixes read in place
+            assert lse_all is not None and kernels is not None
+            kernels.prefix_attention_merge_(
+                q, k_cache, v_cache, cb.slots, cb.slot_offsets, cb.rows, cb.row_offsets, out,
+                lse_all, scale,
+            )  # fmt: skip
         for c in plan.cascades:
             assert lse_all is not None
-            if kernels is not None:  # attention and merge in one pass, the prefix read in place
-                kernels.prefix_attention_merge_(
-                    q, k_cache, v_cache, c.slots, c.rows, out, lse_all, scale
-                )
-            else:
-                self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale)
+            self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale)
         return out
 
     def _group(
@@ -572,7 +597,8 @@ class TorchAttention:
         lse_all: Tensor,
         scale: float,
     ) -> None:
-        """Attend the cascade's rows to its shared prefix and merge into ``out`` in place."""
+        """Attend the cascade's rows to its shared prefix and merge into ``out`` and
+        ``lse_all`` in place."""
         _, hq, d = q.shape
         hkv = k_flat.shape[1]
         grp = hq // hkv
@@ -593,6 +619,7 @@ class TorchAttention:
         w_p = torch.exp(lse_p - lse).unsqueeze(-1)
         merged = (o_s.float() * w_s + o_p.float() * w_p).to(out.dtype)
         out.index_copy_(0, c.rows, merged)
+        lse_all.index_copy_(0, c.rows, lse)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
  *   rms_norm_f32, rope_f32, silu_mul_f32   one-pass layer ops
  *   uniform_noise_f32    the sampler's hashed uniforms (bit for bit the PyTorch formula)
  *   race_draw_f32        the sampler's temperature-only draw, fused (noise, weights, race)
- *   prefix_attention_merge_f32  a shared prefix attended by many rows and merged, in one call
+ *   prefix_attention_merge_f32  shared prefixes attended by their rows and merged, in one call
  *
  * paged_attention_f32's layouts (all fp32 / int32, row-major):
  *   q        [T, Hq, D]   row t at q + t*q_stride, head h at + h*D (heads contiguous)
@@ -597,78 +597,127 @@ static int attend_tiled(Args a, int num_threads) {
     return 0;
 }
 
-/* A shared prefix (cascade) attended by many rows, merged into their results in place.
- * For each row r < R (q row rows[r]) and head h: attention of q[rows[r], h] over the P keys at
- * cache slots slots[0..P) (all visible), then out[rows[r], h] <- the log-sum-exp weighted mix of
- * that result and out[rows[r], h] (whose log-sum-exp is lse[rows[r], h]): attention over the
- * union of both key sets. lse is left as it was. The prefix K/V of each KV head is gathered once;
- * work items are (KV head, ITEM_ROWS (row, head) pairs), each in 16-lane tiles.
+/* Shared prefixes (cascades) attended by their rows and merged into the rows' results in place.
+ * Prefix c < C has the P_c keys at cache slots slots[slot_off[c] .. slot_off[c+1]) (all visible)
+ * and the q rows rows[row_off[c] .. row_off[c+1]). For each such row r and head h: attention of
+ * q[r, h] over those keys, then out[r, h] <- the log-sum-exp weighted mix of that result and
+ * out[r, h] (whose log-sum-exp is lse[r, h]), i.e. attention over the union of both key sets,
+ * and lse[r, h] <- the log-sum-exp of the union. No row may belong to two prefixes of one call
+ * (nested prefixes take one call per depth). Each prefix's K/V of each KV head is gathered once;
+ * work items are (prefix, KV head, ITEM_ROWS (row, head) pairs), each in 16-lane tiles.
  * Returns 0 on success, nonzero when an allocation failed. */
+typedef struct {
+    int prefix;
+    int kv_head;
+    int64_t p0, p1; /* (row, head) pairs p0 .. p1-1 of the prefix's rows */
+} PrefixItem;
+
 int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_cache,
-                               const float *v_cache, const int64_t *slots, int prefix_len,
-                               const int64_t *rows, int64_t num_rows, float *out,
-                               const float *lse, int num_heads, int num_kv_heads, int head_dim,
-                               float scale, int num_threads) {
-    if (num_rows <= 0 || prefix_len <= 0) return 0;
+                               const float *v_cache, const int64_t *slots,
+                               const int64_t *slot_off, const int64_t *rows,
+                               const int64_t *row_off, int num_prefixes, float *out, float *lse,
+                               int num_heads, int num_kv_heads, int head_dim, float scale,
+                               int num_threads) {
+    if (num_prefixes <= 0) return 0;
     const int G = num_heads / num_kv_heads;
     const int D = head_dim;
     const int64_t kv_row = (int64_t)num_kv_heads * D;
-    const int padded = (prefix_len + 15) & ~15;
-    const size_t head_floats = (size_t)padded * D;
-    /* [Hkv][padded][D] keys then values, zero padded */
-    float *kv = (float *)calloc(2 * head_floats * num_kv_heads, sizeof(float));
-    const int64_t pairs = num_rows * G; /* (row, head) pairs per KV head */
-    const int64_t chunks = (pairs + ITEM_ROWS - 1) / ITEM_ROWS;
-    const int64_t num_items = chunks * num_kv_heads;
+    /* buffer layout: prefix c at kv_at[c]: [Hkv][padded_c][D] keys, then the same for values */
+    int64_t *kv_at = (int64_t *)malloc(sizeof(int64_t) * (num_prefixes + 1));
+    int64_t num_items = 0;
+    if (!kv_at) return 1;
+    kv_at[0] = 0;
+    for (int c = 0; c < num_prefixes; c++) {
+        const int64_t padded = (slot_off[c + 1] - slot_off[c] + 15) & ~(int64_t)15;
+        kv_at[c + 1] = kv_at[c] + 2 * padded * D * num_kv_heads;
+        const int64_t pairs = (row_off[c + 1] - row_off[c]) * G;
+        if (padded > 0) num_items += (pairs + ITEM_ROWS - 1) / ITEM_ROWS * num_kv_heads;
+    }
+    if (num_items == 0) {
+        free(kv_at);
+        return 0;
+    }
+    float *kv = (float *)calloc(kv_at[num_prefixes], sizeof(float));
+    PrefixItem *items = (PrefixItem *)malloc(sizeof(PrefixItem) * num_items);
     if (num_threads < 1) num_threads = 1;
     if ((int64_t)num_threads > num_items) num_threads = (int)num_items;
     float *scratch = (float *)malloc(sizeof(float) * 48 * (size_t)D * num_threads);
-    if (!kv || !scratch) {
+    if (!kv || !items || !scratch) {
+        free(kv_at);
         free(kv);
+        free(items);
         free(scratch);
         return 1;
     }
+    {
+        int64_t n = 0;
+        for (int c = 0; c < num_prefixes; c++) {
+            if (slot_off[c + 1] == slot_off[c]) continue;
+            const int64_t pairs = (row_off[c + 1] - row_off[c]) * G;
+            for (int h = 0; h < num_kv_heads; h++)
+                for (int64_t p0 = 0; p0 < pairs; p0 += ITEM_ROWS)
+                    items[n++] = (PrefixItem){c, h, p0, p0 + ITEM_ROWS < pairs ? p0 + ITEM_ROWS : pairs};
+        }
+    }
+    /* gather: key j of all prefixes (slots are concatenated in prefix order) */
+    const int64_t total_keys = slot_off[num_prefixes];
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(num_threads) schedule(static)
 #endif
-    for (int64_t j = 0; j < (int64_t)prefix_len * num_kv_heads; j++) {
-        const int h = (int)(j / prefix_len), p = (int)(j % prefix_len);
-        const int64_t off = slots[p] * kv_row + (int64_t)h * D;
-        memcpy(kv + 2 * head_floats * h + (size_t)p * D, k_cache + off, sizeof(float) * D);
-        memcpy(kv + 2 * head_floats * h + head_floats + (size_t)p * D, v_cache + off,
-               sizeof(float) * D);
+    for (int64_t j = 0; j < total_keys; j++) {
+        int c = 0, hi = num_prefixes - 1; /* the prefix of key j: first c with slot_off[c+1] > j */
+        while (c < hi) {
+            const int mid = (c + hi) / 2;
+            if (slot_off[mid + 1] <= j)
+                c = mid + 1;
+            else
+                hi = mid;
+        }
+        const int64_t p = j - slot_off[c];
+        const int64_t padded = (slot_off[c + 1] - slot_off[c] + 15) & ~(int64_t)15;
+        float *base = kv + kv_at[c];
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t off = slots[j] * kv_row + (int64_t)h * D;
+            memcpy(base + ((int64_t)h * padded + p) * D, k_cache + off, sizeof(float) * D);
+            memcpy(base + ((int64_t)(num_kv_heads + h) * padded + p) * D, v_cache + off,
+                   sizeof(float) * D);
+        }
     }
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
 #endif
-    for (int64_t item = 0; item < num_items; item++) {
+    for (int64_t i = 0; i < num_items; i++) {
 #ifdef _OPENMP
         float *qt = scratch + 48 * (size_t)D * omp_get_thread_num();
 #else
         float *qt = scratch;
 #endif
         float *ot = qt + 16 * (size_t)D, *orow = ot + 16 * (size_t)D;
-        const int h = (int)(item / chunks);
-        const int64_t p0 = (item % chunks) * ITEM_ROWS;
-        const int64_t p1 = p0 + ITEM_ROWS < pairs ? p0 + ITEM_ROWS : pairs;
-        const float *kbuf = kv + 2 * head_floats * h, *vbuf = kbuf + head_floats;
+        const PrefixItem it = items[i];
+        const int c = it.prefix, h = it.kv_head;
+        const int prefix_len = (int)(slot_off[c + 1] - slot_off[c]);
+        const int64_t padded = (prefix_len + 15) & ~(int64_t)15;
+        const float *kbuf = kv + kv_at[c] + (int64_t)h * padded * D;
+        const float *vbuf = kv + kv_at[c] + (int64_t)(num_kv_heads + h) * padded * D;
+        const int64_t *crows = rows + row_off[c];
         const vi16 pos = (vi16){0} + (prefix_len - 1); /* every key visible; padding masked */
-        for (int64_t r0 = p0; r0 < p1; r0 += TILE) {
+        for (int64_t r0 = it.p0; r0 < it.p1; r0 += TILE) {
             const float *qrows[16];
             for (int lane = 0; lane < 16; lane++) { /* lanes past the last pair repeat it */
-                const int64_t pr = r0 + lane < p1 ? r0 + lane : p1 - 1;
-                qrows[lane] = q + rows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D;
+                const int64_t pr = r0 + lane < it.p1 ? r0 + lane : it.p1 - 1;
+                qrows[lane] = q + crows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D;
             }
             load_tile(qrows, scale, D, qt);
             v16 m, l;
             tile_attend_dispatch(kbuf, vbuf, prefix_len, 0, qt, pos, prefix_len - 1,
                                  prefix_len - 1, ot, &m, &l, D);
             unload_tile(ot, D, orow);
-            for (int lane = 0; lane < 16 && r0 + lane < p1; lane++) {
+            for (int lane = 0; lane < 16 && r0 + lane < it.p1; lane++) {
                 const int64_t pr = r0 + lane;
-                const int64_t row = rows[pr / G];
+                const int64_t row = crows[pr / G];
                 const int hq = h * G + (int)(pr % G);
-                const float ls = lse[row * num_heads + hq];
+                float *ls_at = lse + row * num_heads + hq;
+                const float ls = *ls_at;
                 const float lp = m[lane] + logf(l[lane]);
                 const float mx = ls > lp ? ls : lp;
                 const float ws = expf(ls - mx), wp = expf(lp - mx);
@@ -677,10 +726,13 @@ int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_
                 float *o = out + (row * num_heads + hq) * D;
                 const float *src = orow + (int64_t)lane * D;
                 for (int d = 0; d < D; d++) o[d] = a * o[d] + b * src[d];
+                *ls_at = mx + logf(ws + wp);
             }
         }
     }
+    free(kv_at);
     free(kv);
+    free(items);
     free(scratch);
     return 0;
 }

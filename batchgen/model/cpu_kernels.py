@@ -120,7 +120,7 @@ class CpuKernels:
         self._race.argtypes = [p, i64, p, p, i64, i64, p]
         self._race.restype = None
         self._prefix = lib.prefix_attention_merge_f32
-        self._prefix.argtypes = [p, i64, p, p, p, i32, p, i64, p, p, i32, i32, i32,
+        self._prefix.argtypes = [p, i64, p, p, p, p, p, p, i32, p, p, i32, i32, i32,
                                  ctypes.c_float, i32]  # fmt: skip
         self._prefix.restype = ctypes.c_int
         self.path = path
@@ -131,18 +131,22 @@ class CpuKernels:
         k_cache: Tensor,
         v_cache: Tensor,
         slots: Tensor,
+        slot_offsets: Tensor,
         rows: Tensor,
+        row_offsets: Tensor,
         out: Tensor,
         lse: Tensor,
         scale: float,
     ) -> None:
-        """Attend rows ``rows`` ``[R]`` int64 of q to the shared prefix at cache slots ``slots``
-        ``[P]`` int64 and merge into their rows of ``out`` in place, weighted by ``lse`` (see
-        ``prefix_attention_merge_f32``). q ``[T, Hq, D]`` with each row's heads contiguous;
-        caches ``[num_blocks, block_size, Hkv, D]``; out ``[T, Hq, D]`` and lse ``[T, Hq]``
-        contiguous; fp32 but the indices."""
+        """Attend shared prefixes and merge into their rows of ``out`` and ``lse`` in place (see
+        ``prefix_attention_merge_f32``). Prefix c: cache slots ``slots[slot_offsets[c] :
+        slot_offsets[c + 1]]``, q rows ``rows[row_offsets[c] : row_offsets[c + 1]]``; a row
+        belongs to one prefix at most. q ``[T, Hq, D]`` with each row's heads contiguous; caches
+        ``[num_blocks, block_size, Hkv, D]``; out ``[T, Hq, D]`` and lse ``[T, Hq]`` contiguous;
+        fp32 but the indices (int64, contiguous)."""
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
+        c = slot_offsets.numel() - 1
         if not (
             q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == lse.dtype == torch.float32
             and q.stride(2) == 1
@@ -156,15 +160,17 @@ class CpuKernels:
             and out.is_contiguous()
             and lse.shape == (t, hq)
             and lse.is_contiguous()
-            and slots.dtype == rows.dtype == torch.int64
-            and slots.is_contiguous()
-            and rows.is_contiguous()
+            and all(
+                x.dtype == torch.int64 and x.is_contiguous()
+                for x in (slots, slot_offsets, rows, row_offsets)
+            )
+            and row_offsets.numel() == c + 1
         ):
             raise ValueError("cpu prefix attention: unsupported dtypes, shapes or strides")
         rc = self._prefix(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                          slots.data_ptr(), slots.numel(), rows.data_ptr(), rows.numel(),
-                          out.data_ptr(), lse.data_ptr(), hq, hkv, d, scale,
-                          torch.get_num_threads())  # fmt: skip
+                          slots.data_ptr(), slot_offsets.data_ptr(), rows.data_ptr(),
+                          row_offsets.data_ptr(), c, out.data_ptr(), lse.data_ptr(), hq, hkv, d,
+                          scale, torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise MemoryError("cpu prefix attention: out of memory for its buffers")
 
