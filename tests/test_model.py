@@ -192,6 +192,24 @@ def test_paged_logits_match_transformers(
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_mlp_in_row_slices_matches_transformers(
+    native: bool, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps longer than the MLP's row slice (1024 on the CPU) go through it slice by slice."""
+    from batchgen.model import llama
+
+    monkeypatch.setattr(llama, "_MLP_ROWS", 5)
+    attention = use_native(native, monkeypatch)
+    model, info = load_model(model_dirs["llama"], CPU, torch.float32, attention)
+    gen = torch.Generator().manual_seed(3)
+    schedules = schedules_for(CASES["llama"][1])
+    seqs = [torch.randint(0, info.vocab_size, (sum(c),), generator=gen).tolist() for c in schedules]
+    ours = run_paged(model, seqs, schedules, CASES["llama"][1], gen)
+    for o, r in zip(ours, hf_logits(model_dirs["llama"], seqs), strict=True):
+        assert_close_logits(o, r)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_shared_prefix_blocks_match_transformers(
     native: bool, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

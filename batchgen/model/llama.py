@@ -224,6 +224,10 @@ class LlamaAttention(nn.Module):
         return linear_add_(residual, o.reshape(t, self.q_size), self.o_proj)
 
 
+# rows per MLP pass on the CPU (see LlamaMLP.forward)
+_MLP_ROWS = 1024
+
+
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
 
@@ -234,7 +238,20 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
-        """x ``[T, hidden]`` normed input -> ``residual += mlp(x)``, in place."""
+        """x ``[T, hidden]`` normed input -> ``residual += mlp(x)``, in place.
+
+        On the CPU, long steps (prefill chunks) go through in slices of ``_MLP_ROWS`` rows: the
+        ``[rows, 2I]`` intermediate then stays in cache between the two GEMMs and SwiGLU (on the
+        benchmark model the MLP ran at 237 GFLOP/s over 8192 rows at once, 283 in 1024-row slices).
+        """
+        t = x.shape[0]
+        if t <= _MLP_ROWS or x.device.type != "cpu":
+            return self._forward(x, residual)
+        for i in range(0, t, _MLP_ROWS):
+            self._forward(x[i : i + _MLP_ROWS], residual[i : i + _MLP_ROWS])
+        return residual
+
+    def _forward(self, x: Tensor, residual: Tensor) -> Tensor:
         gate_up = linear(x, self.gate_up_proj)  # [T, 2I]
         native = _native(gate_up)
         if native is not None and gate_up.is_contiguous():
