@@ -86,7 +86,9 @@ def test_shuffled_templates_are_computed_about_once(tiny_model, tmp_path):
     )
     ideal = ideal_prompt_tokens(tok, table)
     prompt_tokens = sum(r["num_prompt_tokens"] for r in on)
-    assert computed(on) <= 1.15 * ideal, (computed(on), ideal, prompt_tokens)
+    # token-granular: a template ending inside a block is copied out of it, not recomputed
+    # (2773 computed against 2778 here: the templates also share their first token)
+    assert computed(on) <= 1.02 * ideal, (computed(on), ideal, prompt_tokens)
     assert computed(off) == prompt_tokens
     assert [r["token_ids"] for r in on] == [r["token_ids"] for r in off]
     report = json.loads((tmp_path / "on" / "out" / "_report.json").read_text())

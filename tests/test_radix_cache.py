@@ -184,6 +184,31 @@ def test_match_max_blocks() -> None:
     cache.check()
 
 
+def test_match_partial_finds_the_longest_shared_head_of_a_next_block() -> None:
+    pool, cache = make(block_size=4)
+    a, b = finish(pool, cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    (c,) = finish(pool, cache, [1, 2, 3, 4, 5, 6, 9, 9])[1:]  # shares 2 tokens of block 2
+    (d,) = finish(pool, cache, [1, 2, 3, 4, 7, 7, 7, 7])[1:]
+    m = cache.match([1, 2, 3, 4, 5, 6, 7, 0, 0])
+    assert m.blocks == [a] and m.num_tokens == 4
+    assert cache.match_partial(m.handle, [1, 2, 3, 4, 5, 6, 7, 0, 0], limit=9) == (b, 3)
+    assert cache.match_partial(m.handle, [1, 2, 3, 4, 5, 6, 0], limit=9) in ((b, 2), (c, 2))
+    assert cache.match_partial(m.handle, [1, 2, 3, 4, 5, 6, 7, 0], limit=2) in ((b, 2), (c, 2))
+    assert cache.match_partial(m.handle, [1, 2, 3, 4, 7, 0], limit=9) == (d, 1)
+    # never a whole block (that is match's job), never past the limit or the tokens
+    assert cache.match_partial(m.handle, [1, 2, 3, 4, 5, 6, 7, 8, 1], limit=9) == (b, 3)
+    assert cache.match_partial(m.handle, [1, 2, 3, 4, 5, 6], limit=9) in ((b, 2), (c, 2))
+    assert cache.match_partial(m.handle, [1, 2, 3, 4, 5], limit=0) is None
+    assert cache.match_partial(m.handle, [1, 2, 3, 4, 8, 8], limit=9) is None
+    assert cache.match_partial(m.handle, [1, 2, 3, 4], limit=9) is None
+    root = cache.match([9]).handle
+    assert cache.match_partial(root, [1, 2, 0], limit=9) == (a, 2)
+    # read-only: no references, locks or evictions
+    assert [pool.refcount(x) for x in (a, b, c, d)] == [1, 1, 1, 1]
+    cache.check()
+    assert NullCache(4).match_partial(root, [1, 2, 0], limit=9) is None
+
+
 def test_evict_in_lru_order() -> None:
     pool, cache = make()
     (a,) = finish(pool, cache, [1, 1])

@@ -460,7 +460,12 @@ def test_fingerprint_through_the_cli(crash: SimpleNamespace, tmp_path: Path) -> 
         "output.commit_rows=1000",
     )
     assert f"batchgen: done: {last['rows']} rows" in result.stderr
-    assert read_results(out) == first
+
+    def without_cache_counts(rows: list[dict]) -> list[dict]:
+        # how many prompt tokens came from the prefix cache depends on the block size
+        return [{k: v for k, v in r.items() if k != "num_cached_tokens"} for r in rows]
+
+    assert without_cache_counts(read_results(out)) == without_cache_counts(first)
     status = run_cli("status", str(out)).output
     assert "state:         finished" in status and "8 of 8 rows" in status
     assert "samples:       16 (0 errors)" in status

@@ -215,3 +215,48 @@ def test_shared_prefix_is_computed_once():
     cached = sum(s.num_cached_tokens for s in results.values())
     # Ideal: the template once plus each row's two own tokens.
     assert prompt_tokens - cached == 40 + 10 * 2
+
+
+def test_prefix_ending_inside_a_block_is_copied_not_recomputed():
+    """A template of 10 blocks + 2 tokens: later rows take the 2 tokens from the first row's
+    11th block (a block copy, the copy's source held until the step ran) instead of
+    computing them."""
+    bs = 4
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    template = tuple(range(1, 43))  # 42 tokens
+    reqs = [
+        Request(template + (100 + i, 101 + i), params, (SampleTarget(i, 0, i),)) for i in range(10)
+    ]
+    results, _, runner = run_all(reqs, num_blocks=200, block_size=bs, budget=256, max_num_seqs=16)
+    check_against_reference(reqs, results)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
+    cached = sum(s.num_cached_tokens for s in results.values())
+    assert prompt_tokens - cached == 42 + 10 * 2
+    assert sum(runner.copies_per_step) == 9
+
+
+def test_partial_copy_is_dropped_when_its_source_is_the_room_needed():
+    """Holding the copy's source (only the tree holds it) would keep eviction from freeing the
+    block the admission needs: the sequence is admitted without the copy instead."""
+    bs = 4
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    first = Request(tuple(range(1, 11)), params, (SampleTarget(0, 0, 0),))  # 2 blocks + 2
+    pool = BlockPool(8)
+    cache = RadixCache(pool, bs)
+    sched = Scheduler(SchedulerConfig(bs, 4, 64, 1000), pool, cache)
+    runner = FakeRunner(sched, 8, bs)
+    sched.add(first)
+    while sched.has_work():
+        runner.step()
+    assert cache.num_cached_blocks == 2
+    # shares block 0 and the first 2 tokens of block 1, then needs all 8 blocks of the pool
+    second = Request(tuple(range(1, 7)) + tuple(range(50, 74)), params, (SampleTarget(1, 0, 1),))
+    sched.add(second)
+    results = {}
+    while sched.has_work():
+        for seq in runner.step():
+            results[(seq.targets[0].row, 0)] = seq
+    check_against_reference([second], results)
+    assert results[(1, 0)].num_cached_tokens == 4
+    cache.evict(8)
+    assert pool.num_free == 8

@@ -2,14 +2,17 @@
 
 Keys are block-aligned: a node's key holds a whole number of blocks' worth of tokens and the node
 owns exactly ``len(key) // block_size`` block ids, block ``i`` covering key tokens
-``[i * block_size, (i + 1) * block_size)``. The partly filled tail of a sequence is never cached.
+``[i * block_size, (i + 1) * block_size)``. The partly filled tail of a sequence is never cached,
+but a prefix that ends inside a cached block can still reuse that block's first tokens
+(``match_partial``: the scheduler copies them).
 The tree holds ONE pool reference per block it owns; eviction drops that reference.
 
 How the scheduler uses it (single-threaded; no torch here):
 
 1. ``m = cache.match(prompt, max_blocks=...)``; ``pool.incref(m.blocks)``; ``cache.lock(m.handle)``.
    Lock right after match, before anything can call ``evict``: an unlocked handle may be evicted.
-   ``m.num_tokens`` tokens of the prompt need no prefill.
+   ``m.num_tokens`` tokens of the prompt need no prefill; ``cache.match_partial(m.handle, ...)``
+   may add up to ``block_size - 1`` more, to copy out of a block that is incref'd at once.
 2. Blocks for the rest come from ``pool.allocate``; if it falls short, ``cache.evict(k)`` and check
    the number it returns (blocks also held by an unlocked sequence are dropped by the tree but
    not freed).
@@ -36,6 +39,11 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from batchgen.engine.block_pool import BlockPool
+
+# How many of a node's most recently added children match_partial compares (each costs up to a
+# block of token comparisons; rows sharing a prefix are admitted together, so their siblings
+# are recent).
+_PARTIAL_SCAN = 32
 
 
 class _Node:
@@ -131,6 +139,10 @@ class PrefixCache(Protocol):
     block_size: int
 
     def match(self, tokens: Sequence[int], max_blocks: int | None = None) -> PrefixMatch: ...
+
+    def match_partial(
+        self, handle: CacheHandle, tokens: Sequence[int], limit: int
+    ) -> tuple[int, int] | None: ...
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> CacheHandle: ...
 
@@ -233,6 +245,37 @@ class RadixCache:
             # After a split the lower part's first block differs from toks (or toks ended), so
             # the next lookup fails or the loop ends.
         return PrefixMatch(blocks, CacheHandle(node))
+
+    def match_partial(
+        self, handle: CacheHandle, tokens: Sequence[int], limit: int
+    ) -> tuple[int, int] | None:
+        """A cached block continuing ``handle``'s prefix whose first ``j`` tokens equal the next
+        ``j`` of ``tokens`` (``tokens[handle.num_tokens:]``), ``1 <= j <= min(limit,
+        block_size - 1)``: ``(block id, j)`` with the largest j among the ``_PARTIAL_SCAN`` most
+        recently added continuations, or None.
+
+        Where a shared prefix ends inside a block (a template whose length is no multiple of
+        the block size) the caller copies those j tokens' K/V out of the block instead of
+        computing them again; the rest of the block belongs to another sequence. Neither
+        increfs, locks nor stamps: incref the block before anything can evict.
+        """
+        bs = self.block_size
+        start = handle.num_tokens
+        want = tuple(tokens[start : start + min(limit, bs - 1)])
+        if not want:
+            return None
+        best: tuple[int, int] | None = None
+        for n, key in enumerate(reversed(handle._node.children)):
+            if n == _PARTIAL_SCAN:
+                break
+            j = 0
+            while j < len(want) and key[j] == want[j]:
+                j += 1
+            if j and (best is None or j > best[1]):
+                best = (handle._node.children[key].blocks[0], j)
+                if j == len(want):
+                    break
+        return best
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> CacheHandle:
         """Cache ``tokens`` (whole blocks) with the caller's ``blocks``; return the node at the end.
@@ -488,6 +531,12 @@ class NullCache:
         if max_blocks is not None and max_blocks < 0:
             raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
         return PrefixMatch([], self._root)
+
+    def match_partial(
+        self, handle: CacheHandle, tokens: Sequence[int], limit: int
+    ) -> tuple[int, int] | None:
+        """Always None."""
+        return None
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> CacheHandle:
         """Adopts nothing: the caller keeps sole ownership of its blocks."""

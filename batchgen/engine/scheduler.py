@@ -52,8 +52,11 @@ class Chunk:
 @dataclass
 class Batch:
     chunks: list[Chunk] = field(default_factory=list)
-    # (src, dst) block copies to perform before the forward pass (copy-on-write).
+    # (src, dst) block copies to perform before the forward pass (copy-on-write, and the head of
+    # a cached block that a new sequence's prompt shares in part).
     copies: list[tuple[int, int]] = field(default_factory=list)
+    # copy sources referenced by the batch until it has run (``update`` drops the references)
+    held: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -162,24 +165,41 @@ class Scheduler:
             # A sequence computed in this very step shares at least one more block with this one:
             # wait a step and take it from the cache instead of computing it twice.
             return False
-        n = min(len(seq.token_ids) - cached, budget)
-        need = -(-(cached + n) // bs) - len(match.blocks)
         # Hold the matched blocks before evicting, so eviction cannot take them.
         self.pool.incref(match.blocks)
         self.cache.lock(match.handle)
         watermark = self.config.watermark_blocks if self.running else 0
-        if not self._make_free(need + watermark):
+        # The prompt may go on to share the head of a further cached block: copy that block and
+        # compute from the first differing token. Holding the copy's source can keep eviction
+        # from freeing the block that would make room, so without room retry without it.
+        partial = self.cache.match_partial(
+            match.handle, seq.token_ids, len(seq.token_ids) - 1 - cached
+        )
+        for source, shared in [partial, (None, 0)] if partial else [(None, 0)]:
+            start = cached + shared
+            n = min(len(seq.token_ids) - start, budget)
+            need = -(-(start + n) // bs) - len(match.blocks)
+            held = [] if source is None else [source]
+            self.pool.incref(held)
+            if self._make_free(need + watermark):
+                break
+            self.pool.decref(held)
+        else:
             self.cache.unlock(match.handle)
             self.pool.decref(match.blocks)
             return False
-        seq.block_table = list(match.blocks) + self.pool.allocate(need)
+        own = self.pool.allocate(need)
+        if source is not None:
+            batch.copies.append((source, own[0]))
+            batch.held.append(source)
+        seq.block_table = list(match.blocks) + own
         seq.cache_handle = match.handle
-        seq.num_computed = cached
+        seq.num_computed = start
         seq.num_blocks_in_cache = len(match.blocks)
         if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = cached
+            seq.num_cached_tokens = start
         seq.status = SeqStatus.RUNNING
-        batch.chunks.append(Chunk(seq, cached, n))
+        batch.chunks.append(Chunk(seq, start, n))
         return True
 
     def _shares_uncached_prefix(self, seq: Sequence, cached: int, batch: Batch) -> bool:
@@ -240,6 +260,8 @@ class Scheduler:
         ``draws`` has one list per sampling chunk of ``batch`` (in order), with one Draw per
         target of that chunk's sequence.
         """
+        self.pool.decref(batch.held)  # the copies have run
+        batch.held = []
         finished: list[Sequence] = []
         sampled = iter(draws)
         for chunk in batch.chunks:
