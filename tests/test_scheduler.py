@@ -202,28 +202,13 @@ def test_fork_shares_prompt_blocks_and_copies_on_write():
     assert sorted(s.num_cached_tokens for s in results.values()) == [0, 10, 10, 10]
 
 
-def test_shared_prefix_is_computed_once():
+@pytest.mark.parametrize("template_len,copies", [(40, 0), (42, 9)])
+def test_shared_prefix_is_computed_once(template_len: int, copies: int):
+    """10 blocks of template (or 10 blocks + 2 tokens: later rows copy the first row's 11th block,
+    its source held until the step ran, instead of computing those 2 tokens)."""
     bs = 4
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    template = tuple(range(1, 41))  # 40 tokens = 10 blocks
-    reqs = [
-        Request(template + (40 + i, 41 + i), params, (SampleTarget(i, 0, i),)) for i in range(10)
-    ]
-    results, _, runner = run_all(reqs, num_blocks=200, block_size=bs, budget=256, max_num_seqs=16)
-    check_against_reference(reqs, results)
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
-    cached = sum(s.num_cached_tokens for s in results.values())
-    # Ideal: the template once plus each row's two own tokens.
-    assert prompt_tokens - cached == 40 + 10 * 2
-
-
-def test_prefix_ending_inside_a_block_is_copied_not_recomputed():
-    """A template of 10 blocks + 2 tokens: later rows take the 2 tokens from the first row's
-    11th block (a block copy, the copy's source held until the step ran) instead of
-    computing them."""
-    bs = 4
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
-    template = tuple(range(1, 43))  # 42 tokens
+    template = tuple(range(1, template_len + 1))
     reqs = [
         Request(template + (100 + i, 101 + i), params, (SampleTarget(i, 0, i),)) for i in range(10)
     ]
@@ -231,8 +216,9 @@ def test_prefix_ending_inside_a_block_is_copied_not_recomputed():
     check_against_reference(reqs, results)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     cached = sum(s.num_cached_tokens for s in results.values())
-    assert prompt_tokens - cached == 42 + 10 * 2
-    assert sum(runner.copies_per_step) == 9
+    # Ideal: the template once plus each row's two own tokens.
+    assert prompt_tokens - cached == template_len + 10 * 2
+    assert sum(runner.copies_per_step) == copies
 
 
 def test_partial_copy_is_dropped_when_its_source_is_the_room_needed():
