@@ -248,7 +248,8 @@ def build_torch_plan(
     merged into the other kernels' results by log-sum-exp).
 
     One host sync per step (the B+1 offsets and B lengths, and the block-table rows of cascade
-    candidates); the index tensors are built with vectorized ops on the metadata's device.
+    candidates); the groups' index tensors are built with vectorized ops on the metadata's
+    device, the cascades' rows and slots from those host lists.
     """
     dev = meta.seq_lens.device
     cu = meta.cu_seqlens_q.tolist()
@@ -385,9 +386,10 @@ class TorchAttention:
 
     On CPU tensors in fp32, every sequence and every cascade prefix runs in the C kernels of
     :mod:`batchgen.model.cpu_kernels` (they read the paged cache in place) when they can be built;
-    ``native=False`` keeps everything in PyTorch (gathers and SDPA). Holds grow-only gather buffers reused by every
-    layer and step (a fresh allocation of tens of MB per gather costs more in page faults than
-    the copy itself), so one instance must not run two forward passes concurrently.
+    ``native=False`` keeps everything in PyTorch (gathers and SDPA). Holds grow-only gather
+    buffers reused by every layer and step (a fresh allocation of tens of MB per gather costs more
+    in page faults than the copy itself), so one instance must not run two forward passes
+    concurrently.
     """
 
     def __init__(self, native: bool = True) -> None:

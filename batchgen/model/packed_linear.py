@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["PackedWeight", "linear", "linear_add_", "pack", "pack_", "packing_available"]
+__all__ = ["PackedWeight", "linear", "linear_add_", "pack_", "packing_available"]
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +61,24 @@ class _Mkl:
 def _load() -> _Mkl | None:
     """The MKL inside torch, or None where it is missing or packing is switched off."""
     global _mkl, _tried
-    with _lock:
-        if _tried:
-            return _mkl
-        _tried = True
-        if os.environ.get("BATCHGEN_PACK_WEIGHTS", "1") == "0":
-            return None
-        libs = sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
-        try:
-            mkl = _Mkl(ctypes.CDLL(str(libs[0])))
-        except (IndexError, OSError, AttributeError):
-            return None  # no such library, or a torch built without MKL
-        _mkl = mkl if _self_check(mkl) else None
+    if _tried:  # every GEMM asks: no lock once settled
         return _mkl
+    with _lock:
+        if not _tried:
+            _mkl = _find()
+            _tried = True  # after _mkl: the unlocked read above never sees a half-done load
+        return _mkl
+
+
+def _find() -> _Mkl | None:
+    if os.environ.get("BATCHGEN_PACK_WEIGHTS", "1") == "0":
+        return None
+    libs = sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
+    try:
+        mkl = _Mkl(ctypes.CDLL(str(libs[0])))
+    except (IndexError, OSError, AttributeError):
+        return None  # no such library, or a torch built without MKL
+    return mkl if _self_check(mkl) else None
 
 
 def _self_check(mkl: _Mkl) -> bool:
@@ -127,13 +132,6 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and _load() is not None
 
 
-def pack(weight: Tensor) -> PackedWeight:
-    """Pack a CPU fp32 ``[out, in]`` weight (requires :func:`packing_available`)."""
-    mkl = _load()
-    assert mkl is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
-    return _pack(mkl, weight)
-
-
 def pack_(model: nn.Module) -> int:
     """Pack the weight of every ``nn.Linear`` in ``model`` that can be, as ``module.packed``,
     and drop its ``weight`` (the model takes no more memory than before). Returns how many."""
@@ -141,8 +139,9 @@ def pack_(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, nn.Linear) or module.weight is None:
             continue
-        if packing_available(module.weight.device, module.weight.dtype):
-            module.packed = pack(module.weight)
+        mkl = _load()
+        if mkl is not None and packing_available(module.weight.device, module.weight.dtype):
+            module.packed = _pack(mkl, module.weight)
             module.weight = None
             count += 1
     return count
