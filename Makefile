@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO := demo
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test test-all bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -26,7 +26,12 @@ demo: setup $(DEMO)/model/config.json $(DEMO)/prompts.parquet
 	$(BIN)/batchgen run jobs/quickstart.yaml --fresh
 	$(BIN)/python -c "import pyarrow.dataset as ds; t = ds.dataset('out/quickstart').to_table(); print(t.num_rows, 'rows;', 'first:', repr(t.column('text')[0].as_py()[:120]))"
 
+# `make test`: everything but the tests marked slow (kill-and-resume, Ray clusters, kernel
+# compilation): a few minutes on two cores. `make test-all`: every test; CI (.ci/run) runs it.
 test: setup
+	$(BIN)/pytest -x -m "not slow"
+
+test-all: setup
 	$(BIN)/pytest -x
 
 bench: setup

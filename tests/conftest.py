@@ -32,3 +32,20 @@ def tiny_model(tmp_path_factory):
         return made[key]
 
     return make
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Which optional paths this session could run, and how many samples the near-tie
+    comparison exempted (tests/ties.py)."""
+    from tests import optional, ties
+
+    tr = terminalreporter
+    tr.section("batchgen optional paths")
+    for line in optional.summary():
+        tr.write_line(line)
+    s = ties.STATS
+    if s.samples:
+        tr.write_line(
+            f"near-tie exemptions: {s.exempt} of {s.samples} samples compared "
+            f"({100 * s.exempt / s.samples:.2f}%), {s.positions} tokens compared"
+        )

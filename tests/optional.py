@@ -1,0 +1,98 @@
+"""The optional code paths of batchgen and whether this machine runs them.
+
+Some paths need something a machine may lack: the CPU C kernels need a C compiler, the packed
+GEMM needs the MKL inside torch's x86-64 build, Ray is an extra, CUDA is a GPU. A test of such a
+path calls :func:`require`: where the path cannot run, the test FAILS, so a CI machine that
+silently lost its compiler cannot go green on half the suite. A machine that truly lacks one
+opts out by naming it in ``BATCHGEN_TEST_ALLOW_MISSING`` (comma-separated, or ``all``); then
+those tests skip, and the session summary (tests/conftest.py) says which paths ran.
+CUDA is never required: GPU tests skip without one, by name.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import pytest
+
+OPT_OUT = "BATCHGEN_TEST_ALLOW_MISSING"
+NEVER_REQUIRED = {"cuda"}
+
+
+def _cpu_kernels() -> bool:
+    from batchgen.model import cpu_kernels
+
+    return cpu_kernels.load() is not None
+
+
+def _mkl() -> bool:
+    import torch
+
+    from batchgen.model import packed_linear
+
+    return packed_linear.packing_available(torch.device("cpu"), torch.float32)
+
+
+def _ray() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) is not None
+
+
+PATHS = {
+    "cpu_kernels": ("the C kernels of batchgen/model/cpu_kernels.c", _cpu_kernels),
+    "mkl": ("MKL pre-packed GEMM weights", _mkl),
+    "ray": ("the Ray executor", _ray),
+    "cuda": ("a CUDA GPU", _cuda),
+    "native_bf16": ("native bf16 matrix instructions (AMX or AVX512-BF16)", _native_bf16),
+}
+
+
+@functools.cache
+def available(name: str) -> bool:
+    return PATHS[name][1]()
+
+
+def allowed_missing() -> set[str]:
+    names = {n.strip() for n in os.environ.get(OPT_OUT, "").split(",") if n.strip()}
+    return set(PATHS) if "all" in names else names
+
+
+def require(name: str) -> None:
+    """Fail the calling test if path ``name`` cannot run here, unless the machine opted out."""
+    if available(name):
+        return
+    what = PATHS[name][0]
+    if name in NEVER_REQUIRED or name in allowed_missing():
+        pytest.skip(f"{what} is not available here")
+    pytest.fail(
+        f"{what} cannot run on this machine; install what it needs, or set "
+        f"{OPT_OUT}={name} to skip its tests knowingly",
+        pytrace=False,
+    )
+
+
+def summary() -> list[str]:
+    return [
+        f"{name}: {'available, its tests ran' if available(name) else 'NOT available'} ({what})"
+        for name, (what, _) in PATHS.items()
+    ]
