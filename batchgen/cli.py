@@ -19,11 +19,10 @@ import importlib
 import os
 import platform
 import shlex
-import signal
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from types import ModuleType, TracebackType
@@ -33,10 +32,10 @@ import click
 
 from batchgen.errors import BatchgenError
 from batchgen.job import load_job
+from batchgen.signals import EXIT_INTERRUPTED, Interrupted, exit_at_once
 
 EXIT_INTERNAL = 1
 EXIT_INVALID = 2
-EXIT_INTERRUPTED = 130
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,16 +49,6 @@ def _one_line(exc: BaseException) -> str:
     """An exception as one line: its message with newlines folded, or its type's name."""
     text = " ".join(str(exc).split())
     return text or type(exc).__name__
-
-
-def _is_interrupt(exc: BaseException) -> bool:
-    """KeyboardInterrupt, or the runner's Interrupted (only if the runner was imported: an
-    exception of that class cannot exist otherwise)."""
-    if isinstance(exc, KeyboardInterrupt):
-        return True
-    runner = sys.modules.get("batchgen.runner")
-    interrupted = getattr(runner, "Interrupted", None)
-    return isinstance(interrupted, type) and isinstance(exc, interrupted)
 
 
 def _write_traceback(exc: BaseException, log_dir: Path | None) -> Path:
@@ -110,7 +99,7 @@ class _ErrorGuard:
         if isinstance(exc, BatchgenError):
             click.echo(f"error: {_one_line(exc)}", err=True)
             raise click.exceptions.Exit(EXIT_INVALID) from None
-        if _is_interrupt(exc):
+        if isinstance(exc, (KeyboardInterrupt, Interrupted)):
             message = "" if isinstance(exc, KeyboardInterrupt) else _one_line(exc)
             click.echo(
                 message if message and message != type(exc).__name__ else "interrupted", err=True
@@ -134,50 +123,6 @@ class _ErrorGuard:
             )
             raise click.exceptions.Exit(EXIT_INTERNAL) from None
         return False  # SystemExit, GeneratorExit: not ours to handle
-
-
-def _exit_now(signum: int, frame: object) -> None:
-    """Leave at once with exit code 130.
-
-    Raising KeyboardInterrupt here is not reliable: a signal that lands inside an import (torch,
-    transformers) can be swallowed by a library's broad ``except``, and the job would then run on
-    as if nothing happened. Exiting hard loses nothing: until the runner takes over the signals
-    there are no finished rows, and every file of the output folder is written to a temp name and
-    renamed, so a hard exit leaves it as consistent as SIGKILL does (the next run cleans up).
-    """
-    with contextlib.suppress(Exception):
-        sys.stderr.flush()
-    os.write(2, b"\ninterrupted\n")
-    os._exit(EXIT_INTERRUPTED)
-
-
-@contextlib.contextmanager
-def _interrupts_exit_now() -> Iterator[None]:
-    """While the block runs, SIGINT and SIGTERM exit 130 at once (see :func:`_exit_now`): the
-    job's startup (imports, model loading) cannot be stopped more gracefully. The runner installs
-    its own handlers (save what has finished, then exit 130) once it generates, and puts these
-    back when it returns.
-
-    When the block ends because the runner was stopped by a signal, the handlers stay: the
-    process is on its way out with exit code 130, and a further Ctrl-C during that (torch's
-    teardown takes a second or two) must end it at once with 130 too, not as click's "Aborted!"
-    (exit 1) or a SIGTERM death.
-    """
-    previous: dict[int, Any] = {}
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, _exit_now)
-    except ValueError:  # not the main thread (e.g. an application's worker): leave them be
-        pass
-    try:
-        yield
-    except BaseException as exc:
-        if _is_interrupt(exc) and getattr(exc, "signum", None) is not None:
-            previous.clear()
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def _set_option(f: F) -> F:
@@ -223,7 +168,7 @@ def run(job_file: Path, overrides: tuple[str, ...], fresh: bool, quiet: bool) ->
       batchgen run jobs/quickstart.yaml
       batchgen run jobs/quickstart.yaml --set engine.block_size=32 --fresh
     """
-    with _ErrorGuard() as guard, _interrupts_exit_now():
+    with _ErrorGuard() as guard, exit_at_once():
         job = load_job(job_file, overrides)
         guard.log_dir = job.output.path
         _runner().run(job, fresh=fresh, quiet=quiet)

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import InputError
 from batchgen.job import InputConfig
-from batchgen.results import RESULT_COLUMNS
+from batchgen.schema import RESULT_COLUMNS
 
 _GLOB_CHARS = frozenset("*?[")
 _ID_SCAN_BATCH = 65536  # rows per batch while scanning the id column

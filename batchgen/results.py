@@ -41,16 +41,17 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.errors import JobError
 from batchgen.job import describe_fingerprint_mismatch
+from batchgen.schema import Totals
 
 MANIFEST_NAME = "_manifest.json"
 REPORT_NAME = "_report.json"
@@ -61,61 +62,11 @@ MANIFEST_VERSION = 1
 _PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 # Temp names of our own atomic writes: "." + final name + ".tmp".
 _TEMP_RE = re.compile(r"^\.(part-\d{5,}\.parquet|_manifest\.json|_report\.json)\.tmp$")
-
-# Output columns, in SPEC order (keep_columns follow). Input keep_columns may not reuse these.
-RESULT_COLUMNS: tuple[str, ...] = (
-    "id",
-    "sample_index",
-    "text",
-    "token_ids",
-    "finish_reason",
-    "error",
-    "num_prompt_tokens",
-    "num_cached_tokens",
-    "num_output_tokens",
-    "cumulative_logprob",
-    "token_logprobs",
-)
-
-_COUNT_KEYS = (
-    "rows",
-    "samples",
-    "prompt_tokens",
-    "cached_prompt_tokens",
-    "output_tokens",
-    "errors",
-    "parts",
-)
+_RESULT_FILES = (MANIFEST_NAME, REPORT_NAME)
 
 # Called with a step name between the steps of a commit; tests raise in it to simulate a crash.
 StepHook = Callable[[str], None]
 COMMIT_STEPS = ("part_written", "part_renamed", "manifest_written")
-
-
-def output_schema(
-    id_type: pa.DataType, keep_fields: Sequence[pa.Field], logprobs: bool
-) -> pa.Schema:
-    """The schema of every part file: SPEC's columns in order, then the keep columns."""
-    fields = [
-        pa.field("id", id_type, nullable=False),
-        pa.field("sample_index", pa.int32(), nullable=False),
-        pa.field("text", pa.string()),
-        pa.field("token_ids", pa.list_(pa.int32())),
-        pa.field("finish_reason", pa.string(), nullable=False),
-        pa.field("error", pa.string()),
-        pa.field("num_prompt_tokens", pa.int32()),
-        pa.field("num_cached_tokens", pa.int32()),
-        pa.field("num_output_tokens", pa.int32()),
-    ]
-    if logprobs:
-        fields += [
-            pa.field("cumulative_logprob", pa.float64()),
-            pa.field("token_logprobs", pa.list_(pa.float32())),
-        ]
-    for field in keep_fields:
-        if field.name in RESULT_COLUMNS:
-            raise ValueError(f"keep column {field.name!r} collides with an output column")
-    return pa.schema(fields + list(keep_fields))
 
 
 # --------------------------------------------------------------------------- file helpers
@@ -186,10 +137,6 @@ def _read_manifest(folder: Path) -> dict[str, Any] | None:
     return data
 
 
-def _empty_totals() -> dict[str, int]:
-    return dict.fromkeys(_COUNT_KEYS, 0)
-
-
 def _new_manifest(fingerprint: Mapping[str, str]) -> dict[str, Any]:
     return {
         "format": MANIFEST_FORMAT,
@@ -201,18 +148,13 @@ def _new_manifest(fingerprint: Mapping[str, str]) -> dict[str, Any]:
         "last_commit_at": None,
         "next_part": 0,
         "parts": [],
-        "totals": _empty_totals(),
+        "totals": _totals_of([]),
     }
 
 
 def _totals_of(parts: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    totals = _empty_totals()
-    for part in parts:
-        for key in _COUNT_KEYS:
-            if key != "parts":
-                totals[key] += int(part[key])
-    totals["parts"] = len(parts)
-    return totals
+    """The manifest's ``totals``: the counts summed over its parts, and the number of parts."""
+    return {**Totals.sum(parts).as_dict(), "parts": len(parts)}
 
 
 def _lock(folder: Path) -> int | None:
@@ -234,6 +176,73 @@ def _lock(folder: Path) -> int | None:
     return fd
 
 
+# --------------------------------------------------------------------------- inspection
+
+
+@dataclass(frozen=True)
+class FolderState:
+    """What an output folder holds for a job, as read without changing anything.
+
+    ``manifest``: the results to resume (None: the job starts afresh, also with ``fresh``)."""
+
+    path: Path
+    manifest: dict[str, Any] | None
+
+    @property
+    def rows_done(self) -> int:
+        return int(self.manifest["totals"]["rows"]) if self.manifest else 0
+
+
+def inspect_folder(path: Path, fingerprint: Mapping[str, str], fresh: bool) -> FolderState:
+    """Read-only: raise the JobError that opening ``path`` for this job would raise (a file, not
+    writable, a foreign folder, another job's results unless ``fresh``); else its state.
+
+    ``validate`` uses it as it is; :meth:`OutputFolder.open` before creating the folder and again
+    under the folder's lock."""
+    path = Path(path)
+    if not path.exists():
+        parent = path.parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise JobError(f"cannot create output folder {path}: {parent} is a file")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise JobError(f"cannot create output folder {path}: {parent} is not writable")
+        return FolderState(path, None)
+    if not path.is_dir():
+        raise JobError(f"output path {path} is a file, not a folder")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise JobError(f"output folder {path} is not writable")
+    try:
+        manifest = _read_manifest(path)
+    except JobError:
+        # An unreadable manifest of ours cannot be resumed; --fresh may start over. One that is
+        # not ours is never deleted.
+        if not fresh or not _looks_like_ours(path / MANIFEST_NAME):
+            raise
+        manifest = None
+    if manifest is None:
+        foreign = sorted(
+            n for n in os.listdir(path) if not n.startswith((".", "_")) and not _PART_RE.match(n)
+        )
+        if foreign:
+            raise JobError(
+                f"output folder {path} is not empty and is not a batchgen output folder "
+                f"(it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+                "choose a new or empty folder"
+            )
+        return FolderState(path, None)
+    if fresh:
+        return FolderState(path, None)
+    if manifest.get("fingerprint") != dict(fingerprint):
+        what = describe_fingerprint_mismatch(manifest.get("fingerprint") or {}, fingerprint)
+        raise JobError(
+            f"output folder {path} holds a different job: {what}; use --fresh to delete its "
+            "results, or choose another output.path"
+        )
+    return FolderState(path, manifest)
+
+
 # --------------------------------------------------------------------------- the folder
 
 
@@ -249,27 +258,23 @@ class OutputFolder:
     def open(cls, path: Path, fingerprint: Mapping[str, str], fresh: bool = False) -> OutputFolder:
         """Open (creating if missing) the output folder of a job with this fingerprint.
 
-        - A manifest with another fingerprint: JobError naming what differs (unless ``fresh``).
-        - ``fresh``: delete earlier results first (only batchgen's own files).
-        - Leftovers of a crash are cleaned: temp files, and part files the manifest does not list
-          (never committed). A listed part that is missing is dropped from the manifest, so its
-          rows are generated again.
-        - A folder without a manifest that holds other visible files is refused: Parquet readers
-          would mix them with the results.
+        Refused (JobError) as :func:`inspect_folder` says. ``fresh``: delete earlier results
+        first (only batchgen's own files). Leftovers of a crash are cleaned: temp files, and part
+        files the manifest does not list (never committed). A listed part that is missing is
+        dropped from the manifest, so its rows are generated again.
         """
         path = Path(path)
-        if path.exists() and not path.is_dir():
-            raise JobError(f"output path {path} is a file, not a folder")
+        inspect_folder(path, fingerprint, fresh)  # refuse before creating anything
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise JobError(f"cannot create output folder {path}: {err.strerror or err}") from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise JobError(f"output folder {path} is not writable")
         lock_existed = (path / LOCK_NAME).exists()
         lock_fd = _lock(path)
         try:
-            folder = cls._open_locked(path, fingerprint, fresh, lock_fd)
+            # Again under the lock: another process may have written here meanwhile.
+            state = inspect_folder(path, fingerprint, fresh)
+            folder = cls._open_locked(path, state.manifest, fingerprint, fresh, lock_fd)
         except BaseException:
             if lock_fd is not None:
                 if not lock_existed:  # leave a refused folder as it was
@@ -280,44 +285,18 @@ class OutputFolder:
 
     @classmethod
     def _open_locked(
-        cls, path: Path, fingerprint: Mapping[str, str], fresh: bool, lock_fd: int | None
+        cls,
+        path: Path,
+        manifest: dict[str, Any] | None,
+        fingerprint: Mapping[str, str],
+        fresh: bool,
+        lock_fd: int | None,
     ) -> OutputFolder:
-        try:
-            manifest = _read_manifest(path)
-        except JobError:
-            # An unreadable manifest of ours cannot be resumed; --fresh may start over. One that
-            # is not ours is never deleted.
-            if not fresh or not _looks_like_ours(path / MANIFEST_NAME):
-                raise
-            manifest = None
         names = sorted(os.listdir(path))
-        if manifest is None:
-            foreign = [n for n in names if not n.startswith((".", "_")) and not _PART_RE.match(n)]
-            if foreign:
-                raise JobError(
-                    f"output folder {path} is not empty and is not a batchgen output folder "
-                    f"(it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
-                    "choose a new or empty folder"
-                )
-        elif not fresh and manifest.get("fingerprint") != dict(fingerprint):
-            what = describe_fingerprint_mismatch(manifest.get("fingerprint") or {}, fingerprint)
-            raise JobError(
-                f"output folder {path} holds a different job: {what}; use --fresh to delete its "
-                "results, or choose another output.path"
-            )
         if fresh:
             for name in names:
-                if (
-                    _PART_RE.match(name)
-                    or _TEMP_RE.match(name)
-                    or name
-                    in (
-                        MANIFEST_NAME,
-                        REPORT_NAME,
-                    )
-                ):
+                if _PART_RE.match(name) or _TEMP_RE.match(name) or name in _RESULT_FILES:
                     (path / name).unlink(missing_ok=True)
-            manifest = None
             names = sorted(os.listdir(path))
 
         listed = {p["name"] for p in manifest["parts"]} if manifest else set()
@@ -468,12 +447,7 @@ class OutputFolder:
         ids = table.column("id")
         entry = {
             "name": name,
-            "rows": rows,
-            "samples": table.num_rows,
-            "prompt_tokens": _sum(table, "num_prompt_tokens"),
-            "cached_prompt_tokens": _sum(table, "num_cached_tokens"),
-            "output_tokens": _sum(table, "num_output_tokens"),
-            "errors": int(pc.sum(pc.equal(table.column("finish_reason"), "error")).as_py() or 0),
+            **Totals.of_table(table, rows).as_dict(),
             "first_id": ids[0].as_py(),
             "last_id": ids[-1].as_py(),
         }
@@ -484,10 +458,6 @@ class OutputFolder:
         manifest["last_commit_at"] = _now_iso()
         manifest["finished"] = False
         self._write_manifest(manifest, before_rename=lambda: step("manifest_written"))
-
-
-def _sum(table: pa.Table, column: str) -> int:
-    return int(pc.sum(table.column(column)).as_py() or 0)
 
 
 def _looks_like_ours(manifest_path: Path) -> bool:
@@ -606,7 +576,7 @@ def read_status(path: Path) -> str:
     manifest = _read_manifest(path)
     if manifest is None:
         raise JobError(f"{path} is not a batchgen output folder (no {MANIFEST_NAME})")
-    totals = {**_empty_totals(), **manifest.get("totals", {})}
+    totals = {**_totals_of([]), **manifest.get("totals", {})}
     total_rows = manifest.get("total_rows")
     rows = totals["rows"]
     if total_rows:
@@ -643,9 +613,9 @@ __all__ = [
     "LOCK_NAME",
     "MANIFEST_NAME",
     "REPORT_NAME",
-    "RESULT_COLUMNS",
+    "FolderState",
     "OutputFolder",
     "PartWriter",
-    "output_schema",
+    "inspect_folder",
     "read_status",
 ]

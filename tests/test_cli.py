@@ -18,12 +18,9 @@ from click.testing import CliRunner, Result
 import batchgen
 from batchgen.cli import main
 from batchgen.errors import InputError, JobError, ModelError
+from batchgen.signals import Interrupted
 
 JOB = "model: m\ninput:\n  path: in.parquet\noutput:\n  path: out\n"
-
-
-class Interrupted(Exception):
-    """Stands for batchgen.runner.Interrupted."""
 
 
 @pytest.fixture
@@ -45,7 +42,6 @@ def fake_runner(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     module.run = run  # type: ignore[attr-defined]
     module.validate = lambda job: act("validate", job, "plan: 3 rows")  # type: ignore[attr-defined]
     module.status = lambda path: act("status", path, f"status of {path}")  # type: ignore[attr-defined]
-    module.Interrupted = Interrupted  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "batchgen.runner", module)
     monkeypatch.setattr(batchgen, "runner", module, raising=False)
     return state

@@ -203,7 +203,7 @@ def test_ray_missing_is_a_job_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(JobError, match=r"pip install 'batchgen\[ray\]'"):
-        runner._ray_executor()
+        runner._check_ray_installed()
 
 
 # --------------------------------------------------------------------------- results
@@ -277,8 +277,8 @@ def test_planner_groups_balances_and_sticks() -> None:
     earlier round goes back to its worker unless that worker is far behind."""
     pytest.importorskip("ray")
     from batchgen.dataset import InputRow
-    from batchgen.ray_executor import Planner, group_by_prefix
-    from batchgen.runner import EncodedRow
+    from batchgen.executors.sharding import Planner, group_by_prefix
+    from batchgen.prompts import EncodedRow
 
     def rows(prefixes: list[list[int]], per: int, start: int = 0) -> list[EncodedRow]:
         out = []
@@ -332,18 +332,18 @@ def test_worker_killed_mid_job(
 ) -> None:
     """SIGKILL worker 0's process right after its first chunk arrives. With restarts left, Ray
     restarts it and it runs the rows it had not delivered; with none, worker 1 takes them."""
-    from batchgen.ray_executor import RayDriver
+    from batchgen.executors.ray import RayExecutor
 
-    real = RayDriver._receive
+    real = RayExecutor._receive
     killed: list[int] = []
 
-    def receive(self: RayDriver, task: Any, chunk: Any, bar: Any) -> None:
-        real(self, task, chunk, bar)
+    def receive(self: RayExecutor, task: Any, chunk: Any) -> None:
+        real(self, task, chunk)
         if not killed and task.slot.index == 0:
             killed.append(chunk.pid)
             os.kill(chunk.pid, signal.SIGKILL)
 
-    monkeypatch.setattr(RayDriver, "_receive", receive)
+    monkeypatch.setattr(RayExecutor, "_receive", receive)
     job = job_for(data, tmp_path, SEEDED)
     run_cli(
         "run", str(job), "--quiet", *RAY, *SLOW, "--set", f"executor.max_restarts={max_restarts}"

@@ -337,7 +337,7 @@ def test_second_sigint_exits_at_once(crash: SimpleNamespace) -> None:
 
 def test_second_signal_handler_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
     """In process: the first signal only sets ``stop``; the second exits 130 at once."""
-    from batchgen.runner import _Signals
+    from batchgen.signals import GracefulStop
 
     class Exited(Exception):
         pass
@@ -347,9 +347,7 @@ def test_second_signal_handler_exits_130(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(os, "_exit", fake_exit)
     before = signal.getsignal(signal.SIGINT)
-    signals = _Signals()
-    signals.install()
-    try:
+    with GracefulStop() as signals:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)  # the handler runs at the next bytecode boundary
         assert signals.stop
@@ -357,8 +355,6 @@ def test_second_signal_handler_exits_130(monkeypatch: pytest.MonkeyPatch) -> Non
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
         assert exited.value.args == (130,)
-    finally:
-        signals.restore()
     assert signal.getsignal(signal.SIGINT) is before
     assert signals.received == signal.SIGTERM
 

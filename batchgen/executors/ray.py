@@ -3,20 +3,16 @@
 The process that runs ``batchgen run`` is the *driver*. It alone reads the input and writes the
 output folder; the *workers* (Ray actors, one engine each) only generate.
 
-- **Plan.** The driver reads the input in rounds of ``window_rows`` rows per worker, tokenizes
-  them and groups rows by the leading blocks (``engine.block_size`` tokens) of their prompts: the
-  round starts as one group, and a group is split by its next block only while it alone costs
-  more than one worker's fair share of the round (cost: prompt tokens + n * max_tokens). Rows
-  sharing a prefix therefore stay together unless keeping them together would leave workers
-  idle. Groups go to workers largest first, each to the worker with the least outstanding work,
-  or to the worker that ran the same prefix in an earlier round while that keeps the balance.
-- **Run.** Each worker runs a :class:`~batchgen.runner.RowGenerator` (the local executor's model
+- **Plan.** The driver's job loop reads the input in rounds of ``window_rows`` rows per worker
+  and tokenizes them; :mod:`batchgen.executors.sharding` groups the rows of a round by the leading
+  blocks of their prompts and assigns the groups to workers.
+- **Run.** Each worker runs a :class:`~batchgen.executors.local.RowGenerator` (the local executor's model
   loading, engine, feeding and result rows) over its shard, and streams finished input rows (all
   n samples of a row) back in chunks, about every ``output.commit_rows`` / ``commit_seconds``,
   through a Ray generator (at least every second, for the progress bar). Shards travel through
   Ray's object store; each worker keeps one shard queued behind the one it runs, so it does not
   wait for the driver between shards.
-- **Write.** The driver hands the rows to the same :class:`~batchgen.results.PartWriter` as a
+- **Write.** The job loop hands the rows to the same :class:`~batchgen.results.PartWriter` as a
   local run, so the commit protocol and its guarantees are unchanged: a row is in the output iff
   a committed part lists it, and a resumed run (with any executor) skips committed ids.
 - **Faults.** Actors are created with ``max_restarts`` (Ray restarts a worker process that died;
@@ -40,7 +36,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,114 +48,21 @@ from ray.exceptions import (
     RayTaskError,
     WorkerCrashedError,
 )
-from tqdm import tqdm
 
 from batchgen.errors import BatchgenError, JobError
+from batchgen.executors.local import RowGenerator
+from batchgen.executors.sharding import Planner, PrefixGroup, common_prefix
 from batchgen.job import ExecutorConfig, Job
 from batchgen.model.loader import load_tokenizer, read_model_info
-from batchgen.runner import (
-    EncodedRow,
-    JobRun,
-    RowGenerator,
-    RowGroup,
-    Totals,
-    _Signals,
-    error_group,
-    resolve_placement,
-)
+from batchgen.plan import resolve_placement
+from batchgen.prompts import EncodedRow
+from batchgen.schema import RowGroup, Totals
 
 QUEUED_SHARDS = 2  # a new round is planned when a worker holds fewer shards (running + queued)
 CHUNK_SECONDS = 1.0  # a worker hands back finished rows at least this often (for the progress bar)
 REPORTED_GROUPS = 100  # prefix groups listed per worker in _report.json (all are counted)
-STICKY_KEYS = 100_000  # prefixes remembered across rounds (oldest forgotten first)
 PREVIEW_CHARS = 60
 WORKER_LOST = (RayActorError, WorkerCrashedError, NodeDiedError)
-
-
-# -- planning -------------------------------------------------------------------------------------
-
-
-@dataclass
-class PrefixGroup:
-    """Rows whose prompts start with ``key`` (whole blocks, or a whole prompt at the end)."""
-
-    key: tuple[int, ...]
-    rows: list[EncodedRow]
-    cost: int
-
-
-def group_by_prefix(
-    rows: Sequence[EncodedRow], block_size: int, limit: float, cost: Callable[[EncodedRow], int]
-) -> list[PrefixGroup]:
-    """Split ``rows`` (all with tokens) into groups sharing their leading blocks.
-
-    All rows start as one group; a group costing more than ``limit`` is split by the next
-    ``block_size`` tokens of its prompts, until it costs ``limit`` or less. Identical prompts
-    costing more than ``limit`` are split into runs of rows (each piece then computes the prompt
-    once). Every row lands in exactly one group; within a group, rows keep their input order.
-    """
-    out: list[PrefixGroup] = []
-    todo: list[tuple[tuple[int, ...], list[EncodedRow], int]] = [((), list(rows), 0)]
-    while todo:
-        key, members, depth = todo.pop()
-        total = sum(cost(r) for r in members)
-        lo = depth * block_size
-        assert all(r.tokens is not None for r in members)
-        if total <= limit:
-            out.append(PrefixGroup(key, members, total))
-            continue
-        if all(len(r.tokens) <= lo for r in members):  # type: ignore[arg-type]
-            piece: list[EncodedRow] = []
-            piece_cost = 0
-            for r in members:
-                if piece and piece_cost + cost(r) > limit:
-                    out.append(PrefixGroup(key, piece, piece_cost))
-                    piece, piece_cost = [], 0
-                piece.append(r)
-                piece_cost += cost(r)
-            out.append(PrefixGroup(key, piece, piece_cost))
-            continue
-        parts: dict[tuple[int, ...], list[EncodedRow]] = {}
-        for r in members:
-            parts.setdefault(tuple(r.tokens[lo : lo + block_size]), []).append(r)  # type: ignore[index]
-        todo.extend((key + chunk, sub, depth + 1) for chunk, sub in parts.items())
-    return out
-
-
-class Planner:
-    """Assigns the prefix groups of each round to workers (see the module's docstring)."""
-
-    def __init__(self, block_size: int, n: int, max_tokens: int) -> None:
-        self.block_size = block_size
-        self.decode_cost = n * max_tokens
-        self.sticky: dict[tuple[int, ...], int] = {}  # prefix -> the worker that ran it
-
-    def cost(self, row: EncodedRow) -> int:
-        assert row.tokens is not None
-        return len(row.tokens) + self.decode_cost
-
-    def plan(
-        self, rows: Sequence[EncodedRow], load: dict[int, int]
-    ) -> dict[int, list[PrefixGroup]]:
-        """``load``: the outstanding cost of each live worker (updated here as groups land)."""
-        workers = sorted(load)
-        limit = sum(self.cost(r) for r in rows) / len(workers)
-        groups = group_by_prefix(rows, self.block_size, limit, self.cost)
-        groups.sort(key=lambda g: (-g.cost, g.key))
-        shards: dict[int, list[PrefixGroup]] = {w: [] for w in workers}
-        for g in groups:
-            least = min(workers, key=lambda w: (load[w], w))
-            w = self.sticky.get(g.key, least)
-            if w not in load or load[w] - load[least] > limit:
-                w = least
-            shards[w].append(g)
-            load[w] += g.cost
-            if g.key and len(g.rows) > 1:
-                self.sticky.pop(g.key, None)
-                self.sticky[g.key] = w
-                if len(self.sticky) > STICKY_KEYS:
-                    del self.sticky[next(iter(self.sticky))]
-        return shards
 
 
 # -- the worker -----------------------------------------------------------------------------------
@@ -286,32 +189,24 @@ class _Task:
     groups: list[dict[str, Any]]
 
 
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> Sequence[int]:
-    """The longest prefix all of ``seqs`` share (that of the lexicographic least and greatest)."""
-    lo, hi = min(seqs), max(seqs)
-    for i, (a, b) in enumerate(zip(lo, hi, strict=False)):
-        if a != b:
-            return lo[:i]
-    return lo[: min(len(lo), len(hi))]
-
-
 def _unwrap(err: RayTaskError) -> BaseException:
     """A worker's own error: a BatchgenError (an invalid job: exit 2) as itself."""
     cause = getattr(err, "cause", None)
     return cause if isinstance(cause, BatchgenError) else err
 
 
-class RayDriver:
-    """Runs a :class:`~batchgen.runner.JobRun`'s rows on Ray workers (see the module's docstring).
+class RayExecutor:
+    """The :class:`~batchgen.executors.Executor` of ``executor.kind: ray`` (see the module's
+    docstring).
 
     Construction connects to (or starts) Ray, starts the workers and waits until each has
-    loaded its model; :meth:`run` generates; :meth:`close` ends the workers (and a Ray cluster
-    started here)."""
+    loaded its model; :meth:`close` ends the workers (and a Ray cluster started here)."""
 
-    def __init__(self, job_run: JobRun) -> None:
-        self.job_run = job_run
-        job = job_run.job
+    def __init__(self, job: Job, tokenizer: Any) -> None:
+        self.job = job
+        self.tokenizer = tokenizer
         self.config: ExecutorConfig = job.executor
+        self._ready: list[RowGroup] = []  # rows received, handed out by poll
         self.started_ray = False
         self.slots: list[_Slot] = []
         self.planner = Planner(job.engine.block_size, job.sampling.n, job.sampling.max_tokens)
@@ -334,6 +229,7 @@ class RayDriver:
         except BaseException:
             self.close()
             raise
+        self.window_rows = job.input.window_rows * len(self.slots)
 
     def _connect(self) -> None:
         if ray.is_initialized():
@@ -386,37 +282,20 @@ class RayDriver:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def run(self, signals: _Signals, bar: tqdm, start: float) -> bool:
-        """Plan, submit and collect until every row ran (True) or a signal stops it (False)."""
-        job_run = self.job_run
-        rounds = job_run.windows(job_run.job.input.window_rows * len(self.slots))
-        exhausted = False
-        while not signals.stop:
-            while not exhausted and not signals.stop and self._wants_work():
-                window = next(rounds, None)
-                if window is None:
-                    exhausted = True
-                else:
-                    self._submit_round(window, bar)
-            if signals.stop:
-                break
-            if not self.tasks:
-                return True  # every round was read and every shard has finished
-            ready, _ = ray.wait(list(self.tasks), num_returns=1, timeout=0.2)
-            for gen in ready:
-                self._advance(gen, bar)
-            elapsed = time.perf_counter() - start
-            sampled = sum(s.stats.get("sampled_tokens", 0) for s in self.slots)
-            bar.set_postfix(
-                tok_s=f"{sampled / max(elapsed, 1e-9):.0f}",
-                cache=f"{100 * job_run.totals.hit_rate():.0f}%",
-                workers=sum(s.alive for s in self.slots),
-                refresh=False,
-            )
-            job_run.writer.maybe_commit()
-        return False
+    def has_work(self) -> bool:
+        return bool(self.tasks) or bool(self._ready)
 
-    def _wants_work(self) -> bool:
+    def poll(self) -> list[RowGroup]:
+        ready, _ = ray.wait(list(self.tasks), num_returns=1, timeout=0.2)
+        for gen in ready:
+            self._advance(gen)
+        done, self._ready = self._ready, []
+        return done
+
+    def sampled_tokens(self) -> int:
+        return sum(s.stats.get("sampled_tokens", 0) for s in self.slots)
+
+    def wants_work(self) -> bool:
         """A live worker would soon run dry (and the shards in flight stay bounded, also when a
         round has fewer prefix groups than there are workers)."""
         live = [s for s in self.slots if s.alive]
@@ -424,16 +303,9 @@ class RayDriver:
             s.queued for s in live
         ) < QUEUED_SHARDS * len(live)
 
-    def _submit_round(self, window: list[Any], bar: tqdm) -> None:
-        job_run = self.job_run
-        rows_before = job_run.totals.rows
-        runnable: list[EncodedRow] = []
-        for item in job_run.encoder.encode(window):
-            if item.tokens is None:
-                job_run.add(error_group(item.row, item.problem or "unknown error", job_run.params))
-            else:
-                runnable.append(EncodedRow(item.row, array.array("i", item.tokens)))
-        bar.update(job_run.totals.rows - rows_before)
+    def submit(self, rows: Sequence[EncodedRow]) -> None:
+        # Tokens travel as compact arrays through Ray's object store.
+        runnable = [EncodedRow(r.row, array.array("i", r.tokens)) for r in rows if r.tokens]
         if not runnable:
             return
         live = {s.index: s for s in self.slots if s.alive}
@@ -453,14 +325,14 @@ class RayDriver:
     def _entry(self, group: PrefixGroup, text: bool) -> dict[str, Any]:
         """A prefix group as the report lists it: its first row (in input order), its size, and
         the prompt tokens all its rows share (at least its key), with the start of their text."""
-        shared = _common_prefix([r.tokens for r in group.rows])  # type: ignore[misc]
+        shared = common_prefix([r.tokens for r in group.rows])  # type: ignore[misc]
         entry: dict[str, Any] = {
             "first_id": group.rows[0].row.id,
             "rows": len(group.rows),
             "shared_prefix_tokens": len(shared),
         }
         if len(shared) and text:
-            decoded = self.job_run.tokenizer.decode(list(shared), skip_special_tokens=True)
+            decoded = self.tokenizer.decode(list(shared), skip_special_tokens=True)
             entry["shared_prefix"] = decoded[:PREVIEW_CHARS]
         return entry
 
@@ -472,12 +344,12 @@ class RayDriver:
         slot.groups += task.groups[: max(room, 0)]
 
     def _launch(self, task: _Task, only: frozenset[Any] | None) -> None:
-        out = self.job_run.job.output
+        out = self.job.output
         gen = task.slot.handle.run.remote(task.shard, only, out.commit_rows, out.commit_seconds)
         self.tasks[gen] = task
         task.slot.queued += 1
 
-    def _advance(self, gen: Any, bar: tqdm) -> None:
+    def _advance(self, gen: Any) -> None:
         """Take the next chunk of one ready shard; handle its end or its worker's death."""
         task = self.tasks[gen]
         try:
@@ -496,25 +368,22 @@ class RayDriver:
             return
         except RayTaskError as err:
             raise _unwrap(err) from None
-        self._receive(task, chunk, bar)
+        self._receive(task, chunk)
 
     def _finish(self, gen: Any) -> None:
         task = self.tasks.pop(gen)
         task.slot.queued -= 1
 
-    def _receive(self, task: _Task, chunk: Chunk, bar: tqdm) -> None:
-        job_run = self.job_run
+    def _receive(self, task: _Task, chunk: Chunk) -> None:
         slot = task.slot
         self._seen(slot, chunk.pid)
-        rows_before = job_run.totals.rows
         for group in chunk.groups:
             cost = task.remaining.pop(group[0]["id"], None)
             if cost is None:
                 continue  # already accepted (a resubmitted shard raced its first run): not twice
             slot.outstanding -= cost
-            job_run.add(group)
+            self._ready.append(group)
             slot.totals.add(group)
-        bar.update(job_run.totals.rows - rows_before)
         for key, value in chunk.stats.items():
             if key == "peak_kv_blocks_used":
                 slot.stats[key] = max(slot.stats.get(key, 0), value)
@@ -618,4 +487,4 @@ class RayDriver:
                 ray.shutdown()
 
 
-__all__ = ["Planner", "PrefixGroup", "RayDriver", "Worker", "group_by_prefix"]
+__all__ = ["RayExecutor", "Worker"]

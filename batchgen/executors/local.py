@@ -1,0 +1,222 @@
+"""``executor.kind: local``: one engine in this process.
+
+:class:`RowGenerator` is one engine on one model, fed encoded rows and handing back finished input
+rows; the local executor runs one here, each Ray worker one of its own.
+
+Rows are fed in lexicographic order of their token ids, a depth-first walk of the window's prompt
+trie: rows that share a prefix run one after another while the prefix is in the radix cache, and
+identical prompts become one request whose samples are forked from a single prefill. Results are
+keyed by id, so the order is invisible to users.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.dataset import InputRow
+from batchgen.engine.engine import Engine
+from batchgen.engine.request import FinishReason, Request, SampleResult, SampleTarget
+from batchgen.engine.sampler import rng_key
+from batchgen.host_memory import keep_freed_memory
+from batchgen.job import Job
+from batchgen.model import cpu_kernels
+from batchgen.model.attention import make_attention_backend
+from batchgen.model.loader import ModelInfo, load_model
+from batchgen.plan import (
+    Placement,
+    engine_config,
+    max_model_len,
+    plan_num_blocks,
+    sampling_params,
+)
+from batchgen.prompts import EncodedRow
+from batchgen.schema import RowGroup, error_rows, sample_row
+
+
+@dataclass
+class PendingRow:
+    """An input row whose samples are being generated (``None``: not finished yet)."""
+
+    row: InputRow
+    num_prompt_tokens: int
+    samples: list[SampleResult | None]
+
+
+class RowGenerator:
+    """One engine on one model: encoded rows in, finished input rows out (all n output rows of a
+    row at once, as :data:`RowGroup`). The local executor runs one in the job's process; each
+    Ray worker runs one of its own.
+
+    Usage: :meth:`feed` rows (rows that cannot run come back at once as error groups), then
+    :meth:`step` while :meth:`has_work`; each step returns the rows that finished in it.
+    """
+
+    def __init__(self, job: Job, info: ModelInfo, place: Placement, tokenizer: Any) -> None:
+        self.job = job
+        self.info = info
+        self.place = place
+        self.tokenizer = tokenizer
+        self.params = sampling_params(job)
+        self.pending: dict[int, PendingRow] = {}
+        self.next_handle = 0
+        attention = make_attention_backend(place.backend)
+        if place.device.type == "cpu":
+            keep_freed_memory()  # step activations reuse mapped pages instead of faulting anew
+        model, _ = load_model(job.model, place.device, place.dtype, attention)
+        num_blocks = plan_num_blocks(job, info, place)
+        self.max_model_len = max_model_len(job, info, num_blocks)
+        self.engine = Engine(
+            model,
+            info,
+            engine_config(job, place, num_blocks, self.max_model_len),
+            device=place.device,
+            dtype=place.dtype,
+            detokenize=self._decode if self.params.stop else None,
+        )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    @property
+    def num_waiting_targets(self) -> int:
+        return self.engine.num_waiting_targets
+
+    def _too_long(self, num_tokens: int) -> str:
+        # When the KV cache, not the model or engine.max_model_len, sets the limit, say so.
+        eng = self.job.engine
+        limits = [self.info.max_model_len, eng.max_model_len or self.info.max_model_len]
+        knob = "kv_cache_blocks" if eng.kv_cache_blocks is not None else "kv_cache_memory"
+        cause = (
+            f" (all the KV cache holds; raise engine.{knob})"
+            if self.max_model_len < min(limits)
+            else ""
+        )
+        return (
+            f"prompt has {num_tokens} tokens; max_model_len is {self.max_model_len}{cause}, "
+            "which leaves no room for output"
+        )
+
+    def feed(self, encoded: Sequence[EncodedRow]) -> list[RowGroup]:
+        """Queue rows: the rest become requests in depth-first trie order, identical prompts
+        folded into one request. Returns the error groups of rows that cannot run."""
+        errors: list[RowGroup] = []
+        groups: dict[tuple[int, ...], list[SampleTarget]] = {}
+        n = self.params.n
+        for item in encoded:
+            row, tokens = item.row, item.tokens
+            handle = self.next_handle
+            self.next_handle += 1
+            if tokens is None:
+                errors.append(self._error_rows(row, item.problem or "unknown error"))
+                continue
+            if len(tokens) >= self.max_model_len:
+                errors.append(self._error_rows(row, self._too_long(len(tokens))))
+                continue
+            self.pending[handle] = PendingRow(row, len(tokens), [None] * n)
+            targets = groups.setdefault(tuple(tokens), [])
+            for k in range(n):
+                targets.append(SampleTarget(handle, k, rng_key(self.params.seed, row.id, k)))
+        for tokens in sorted(groups):
+            self.engine.add(Request(tokens, self.params, tuple(groups[tokens])))
+        return errors
+
+    def step(self) -> list[RowGroup]:
+        """One engine step; the input rows whose every sample has finished."""
+        done: list[RowGroup] = []
+        for res in self.engine.step():
+            pending = self.pending[res.target.row]
+            pending.samples[res.target.sample_index] = res
+            if all(s is not None for s in pending.samples):
+                del self.pending[res.target.row]
+                done.append(self._group(pending))
+        return done
+
+    def _text(self, res: SampleResult) -> str:
+        if res.text is not None:
+            return res.text
+        ids = res.token_ids
+        if res.finish_reason == FinishReason.STOP and ids and ids[-1] in self.params.stop_token_ids:
+            ids = ids[:-1]
+        return self._decode(ids)
+
+    def _error_rows(self, row: InputRow, problem: str) -> RowGroup:
+        return error_rows(row.id, row.keep, problem, self.params.n, self.params.logprobs)
+
+    def _group(self, pending: PendingRow) -> RowGroup:
+        rows = []
+        for res in pending.samples:
+            assert res is not None
+            rows.append(
+                sample_row(
+                    pending.row.id,
+                    res.target.sample_index,
+                    pending.row.keep,
+                    text=self._text(res),
+                    token_ids=res.token_ids,
+                    finish_reason=res.finish_reason.value,
+                    num_prompt_tokens=res.num_prompt_tokens,
+                    num_cached_tokens=res.num_cached_tokens,
+                    token_logprobs=res.token_logprobs,
+                    logprobs=self.params.logprobs,
+                )
+            )
+        return rows
+
+    def report(self) -> dict[str, Any]:
+        """The engine's figures for ``_report.json``."""
+        stats = self.engine.stats
+        scheduler = self.engine.scheduler
+        return {
+            "preemptions": scheduler.num_preemptions,
+            "kv_blocks": self.engine.config.num_blocks,
+            "kv_block_size": self.engine.config.block_size,
+            "peak_kv_blocks_used": scheduler.peak_blocks_used,
+            "evicted_kv_blocks": scheduler.num_evicted_blocks,
+            "kv_waste": round(stats.waste, 4),
+            "engine_steps": stats.steps,
+            "device": str(self.place.device),
+            "dtype": self.place.dtype_name,
+            "attention_backend": self.place.backend,
+            # the C kernels of batchgen.model.cpu_kernels ran (CPU, fp32, a compiler was found)
+            "cpu_kernels": cpu_kernels.for_dtype(self.place.device, self.place.dtype) is not None,
+        }
+
+
+class LocalExecutor:
+    """The :class:`~batchgen.executors.Executor` of ``executor.kind: local``."""
+
+    def __init__(self, job: Job, info: ModelInfo, place: Placement, tokenizer: Any) -> None:
+        self.generator = RowGenerator(job, info, place, tokenizer)
+        self.window_rows = job.input.window_rows
+        # Keep enough queued for full batches; read the next window only when the queue runs low.
+        self._low_water = 2 * job.engine.max_num_seqs
+        self._ready: list[RowGroup] = []  # error rows of submitted rows, handed back by poll
+
+    def wants_work(self) -> bool:
+        return self.generator.num_waiting_targets < self._low_water
+
+    def submit(self, rows: Sequence[EncodedRow]) -> None:
+        self._ready += self.generator.feed(rows)
+
+    def has_work(self) -> bool:
+        return bool(self._ready) or self.generator.has_work()
+
+    def poll(self) -> list[RowGroup]:
+        done, self._ready = self._ready, []
+        if self.generator.has_work():
+            done += self.generator.step()
+        return done
+
+    def sampled_tokens(self) -> int:
+        return self.generator.engine.stats.sampled_tokens
+
+    def report(self) -> dict[str, Any]:
+        return self.generator.report()
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,179 @@
+"""The job plan: where and how a job's engine runs, decided once for ``validate`` and ``run``.
+
+- :class:`Placement`: device, dtype and attention backend, with ``auto`` resolved.
+- The KV plan: how many blocks the pool gets (:func:`plan_num_blocks`) and the longest sequence
+  that fits (:func:`max_model_len`). The block count depends on free memory, so an engine plans it
+  again right after loading its model; numbers derived at run time are returned, never written
+  back into the job.
+- The mapping from the job's sections to the engine's frozen configs.
+- :func:`describe`: the plan as ``validate`` prints it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.engine import EngineConfig
+from batchgen.engine.request import SamplingParams
+from batchgen.errors import JobError
+from batchgen.job import Job
+from batchgen.model.loader import ModelInfo
+
+CPU_KV_CACHE_CAP = 1 << 30  # bytes: "auto" never takes more than this on a CPU
+CPU_KV_CACHE_SHARE = 0.25  # of available memory, for "auto" on a CPU
+GPU_KV_CACHE_SHARE = 0.85  # of free device memory after the model is loaded
+DEFAULT_CPU_MEMORY = 8 << 30  # assumed available where /proc/meminfo cannot be read
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    dtype: torch.dtype
+    backend: str  # "torch" | "triton"
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def resolve_placement(job: Job) -> Placement:
+    """The job's engine settings with ``auto`` resolved; JobError for impossible ones."""
+    eng = job.engine
+    if eng.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(eng.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise JobError(f"engine.device is {eng.device!r} but no CUDA device is available")
+    if eng.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, eng.dtype)
+    if eng.attention_backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    else:
+        backend = eng.attention_backend
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise JobError(
+            "engine.attention_backend is 'triton' on a CPU: set TRITON_INTERPRET=1 "
+            "(slow, for testing) or use 'torch'"
+        )
+    return Placement(device, dtype, backend)
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return DEFAULT_CPU_MEMORY
+
+
+def plan_num_blocks(job: Job, info: ModelInfo, place: Placement) -> int:
+    """KV blocks for the pool: kv_cache_blocks, else kv_cache_memory, else a share of free memory."""
+    eng = job.engine
+    block_bytes = info.kv_bytes_per_token(place.dtype) * eng.block_size
+    if eng.kv_cache_blocks is not None:
+        return eng.kv_cache_blocks
+    if eng.kv_cache_memory != "auto":
+        blocks = int(eng.kv_cache_memory) // block_bytes
+    elif place.device.type == "cuda":
+        blocks = int(_available_memory(place.device) * GPU_KV_CACHE_SHARE) // block_bytes
+    else:
+        budget = min(int(_available_memory(place.device) * CPU_KV_CACHE_SHARE), CPU_KV_CACHE_CAP)
+        blocks = budget // block_bytes
+    if blocks < 1:
+        raise JobError(
+            f"engine.kv_cache_memory leaves no room for one KV block ({block_bytes} bytes)"
+        )
+    return blocks
+
+
+def max_model_len(job: Job, info: ModelInfo, num_blocks: int) -> int:
+    """The longest sequence (prompt + output) the engine runs."""
+    limit = info.max_model_len
+    if job.engine.max_model_len is not None:
+        limit = min(limit, job.engine.max_model_len)
+    # One sequence must fit in the pool, or it could never be scheduled.
+    return min(limit, num_blocks * job.engine.block_size)
+
+
+def engine_config(job: Job, place: Placement, num_blocks: int, length: int) -> EngineConfig:
+    eng = job.engine
+    return EngineConfig(
+        block_size=eng.block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=eng.max_num_seqs,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        max_model_len=length,
+        prefix_caching=eng.prefix_caching,
+        attention_backend=place.backend,
+    )
+
+
+def sampling_params(job: Job) -> SamplingParams:
+    s = job.sampling
+    return SamplingParams(
+        n=s.n,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        seed=s.seed,
+        logprobs=s.logprobs,
+    )
+
+
+def describe_engine(job: Job, info: ModelInfo, place: Placement) -> list[str]:
+    """The ``device``, ``KV cache`` and ``max_model_len`` lines of ``validate``'s plan."""
+    num_blocks = plan_num_blocks(job, info, place)
+    per_token = info.kv_bytes_per_token(place.dtype)
+    bs = job.engine.block_size
+    length: int | str = max_model_len(job, info, num_blocks)
+    if length < min(info.max_model_len, job.engine.max_model_len or info.max_model_len):
+        length = f"{length} (all the KV cache holds: longer prompts will be error rows)"
+    return [
+        f"device:   {place.device} {place.dtype_name}, attention {place.backend}",
+        f"KV cache: {per_token} bytes/token, {num_blocks} blocks x {bs} tokens = "
+        f"{num_blocks * bs} tokens ({num_blocks * bs * per_token / 2**20:.1f} MiB)",
+        f"max_model_len: {length}",
+    ]
+
+
+def describe_executor(job: Job) -> str:
+    """The ``executor:`` line of ``validate``'s plan."""
+    ex = job.executor
+    if ex.kind == "local":
+        return "executor: local (one engine in this process)"
+    where = "a local Ray cluster started for the job" if ex.address is None else ex.address
+    if ex.num_workers is not None:
+        workers = f"{ex.num_workers} workers"
+    elif ex.num_gpus is None:
+        workers = (
+            "one worker per GPU of the cluster "
+            f"(per {ex.num_cpus:g} CPUs on a cluster without GPUs)"
+        )
+    elif ex.num_gpus > 0:
+        workers = f"one worker per {ex.num_gpus:g} GPUs of the cluster"
+    else:
+        workers = f"one worker per {ex.num_cpus:g} CPUs of the cluster"
+    gpus = "1 if the cluster has GPUs, else 0" if ex.num_gpus is None else f"{ex.num_gpus:g}"
+    return (
+        f"executor: ray on {where}: {workers}, each num_cpus={ex.num_cpus:g}, "
+        f"num_gpus={gpus}, max_restarts={ex.max_restarts}"
+    )

@@ -1,0 +1,114 @@
+"""Input rows -> prompt token ids: plain prompts tokenized as they are, or chat messages
+rendered with the tokenizer's chat template. A row that cannot become a prompt (null or empty,
+malformed messages, a template or tokenizer that rejects it) gets the reason as its problem; it
+becomes ``n`` error rows and the job goes on.
+
+Prompt length against ``max_model_len`` is checked later, by the executor that knows its KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.dataset import InputRow
+from batchgen.job import Job
+
+
+@dataclass(frozen=True)
+class EncodedRow:
+    """An input row with its prompt's token ids, or (``tokens`` None) why it cannot be generated.
+
+    ``tokens`` is any sequence of ints (the Ray executor ships them as a compact array)."""
+
+    row: InputRow
+    tokens: Sequence[int] | None
+    problem: str | None = None
+
+
+class RowProblem(Exception):
+    """Why one input row cannot be generated; it becomes an error row (``str`` is the
+    ``error`` column: one line)."""
+
+    MAX_CHARS = 500
+
+    @classmethod
+    def of(cls, what: str, err: BaseException) -> RowProblem:
+        """``what: <err as one line>``, cut to a readable length."""
+        detail = " ".join(str(err).split()) or type(err).__name__
+        text = f"{what}: {detail}"
+        if len(text) > cls.MAX_CHARS:
+            text = text[: cls.MAX_CHARS - 3] + "..."
+        return cls(text)
+
+
+class PromptEncoder:
+    """Input rows -> token ids (plain prompts, or chat messages through the chat template), or
+    the reason a row cannot be generated. Prompt length against max_model_len is checked later,
+    by the :class:`RowGenerator` that knows its KV cache."""
+
+    def __init__(self, job: Job, tokenizer: Any) -> None:
+        self.job = job
+        self.tokenizer = tokenizer
+
+    def encode(self, rows: list[InputRow]) -> list[EncodedRow]:
+        out: list[EncodedRow] = []
+        plain = [r for r in rows if r.messages is None and r.prompt]
+        encoded: dict[int, list[int]] = {}
+        if plain:
+            try:
+                ids = self.tokenizer([r.prompt for r in plain], add_special_tokens=True)[
+                    "input_ids"
+                ]
+                encoded = {id(r): list(t) for r, t in zip(plain, ids, strict=True)}
+            except Exception:  # noqa: BLE001 - fall back to rows one by one to name the culprit
+                encoded = {}
+        column = self.job.input.messages_column or self.job.input.prompt_column
+        for r in rows:
+            try:
+                if r.problem is not None:
+                    raise RowProblem(r.problem)
+                if self.job.input.messages_column is not None:
+                    tokens = self._render_messages(r, column)
+                elif r.prompt is None:
+                    raise RowProblem(f"{column} is null")
+                elif r.prompt == "":
+                    raise RowProblem(f"{column} is empty")
+                elif id(r) in encoded:
+                    tokens = encoded[id(r)]
+                else:
+                    tokens = list(self.tokenizer(r.prompt, add_special_tokens=True)["input_ids"])
+                if not tokens:
+                    raise RowProblem("the prompt encodes to zero tokens")
+                out.append(EncodedRow(r, tokens))
+            except RowProblem as e:
+                out.append(EncodedRow(r, None, str(e)))
+            except Exception as e:  # noqa: BLE001 - a tokenizer failure is the row's problem
+                problem = RowProblem.of("the tokenizer cannot encode the prompt", e)
+                out.append(EncodedRow(r, None, str(problem)))
+        return out
+
+    def _render_messages(self, row: InputRow, column: str) -> list[int]:
+        messages = row.messages
+        if messages is None:
+            raise RowProblem(f"{column} is null")
+        if not messages:
+            raise RowProblem(f"{column} is empty")
+        for i, m in enumerate(messages):
+            if m is None:
+                raise RowProblem(f"{column}[{i}] is null")
+            if not isinstance(m, dict):
+                raise RowProblem(f"{column}[{i}] is not a {{role, content}} message")
+            for key in ("role", "content"):
+                if m.get(key) is None:
+                    raise RowProblem(f"{column}[{i}].{key} is null")
+                if not isinstance(m[key], str):
+                    raise RowProblem(f"{column}[{i}].{key} is not a string")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # noqa: BLE001 - a template that rejects the row (raise_exception)
+            raise RowProblem.of(f"the chat template cannot render {column}", e) from e
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
