@@ -28,10 +28,13 @@ demo: setup $(DEMO)/model/config.json $(DEMO)/prompts.parquet
 
 # `make test`: everything but the tests marked slow (kill-and-resume, Ray clusters, kernel
 # compilation): a few minutes on two cores. `make test-all`: every test; CI (.ci/run) runs it.
+# Both check the import layers first (import-linter contracts in pyproject.toml).
 test: setup
+	$(BIN)/lint-imports
 	$(BIN)/pytest -x -m "not slow"
 
 test-all: setup
+	$(BIN)/lint-imports
 	$(BIN)/pytest -x
 
 bench: setup
