@@ -115,7 +115,7 @@ def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, default=str) + "\n").encode("utf-8")
 
 
-def _read_manifest(folder: Path) -> dict[str, Any] | None:
+def read_manifest(folder: Path) -> dict[str, Any] | None:
     """The manifest, None if there is none. Raises JobError if it is unreadable or not ours."""
     path = folder / MANIFEST_NAME
     try:
@@ -148,11 +148,11 @@ def _new_manifest(fingerprint: Mapping[str, str]) -> dict[str, Any]:
         "last_commit_at": None,
         "next_part": 0,
         "parts": [],
-        "totals": _totals_of([]),
+        "totals": totals_of([]),
     }
 
 
-def _totals_of(parts: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+def totals_of(parts: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """The manifest's ``totals``: the counts summed over its parts, and the number of parts."""
     return {**Totals.sum(parts).as_dict(), "parts": len(parts)}
 
@@ -214,7 +214,7 @@ def inspect_folder(path: Path, fingerprint: Mapping[str, str], fresh: bool) -> F
     if not os.access(path, os.W_OK | os.X_OK):
         raise JobError(f"output folder {path} is not writable")
     try:
-        manifest = _read_manifest(path)
+        manifest = read_manifest(path)
     except JobError:
         # An unreadable manifest of ours cannot be resumed; --fresh may start over. One that is
         # not ours is never deleted.
@@ -317,7 +317,7 @@ class OutputFolder:
             if missing:
                 parts = [p for p in manifest["parts"] if p not in missing]
                 folder._write_manifest(
-                    {**manifest, "parts": parts, "totals": _totals_of(parts), "finished": False}
+                    {**manifest, "parts": parts, "totals": totals_of(parts), "finished": False}
                 )
         return folder
 
@@ -453,7 +453,7 @@ class OutputFolder:
         }
         manifest = copy.deepcopy(self._manifest)
         manifest["parts"].append(entry)
-        manifest["totals"] = _totals_of(manifest["parts"])
+        manifest["totals"] = totals_of(manifest["parts"])
         manifest["next_part"] = number + 1
         manifest["last_commit_at"] = _now_iso()
         manifest["finished"] = False
@@ -542,72 +542,6 @@ class PartWriter:
         self._last_commit = self._clock()
 
 
-# --------------------------------------------------------------------------- status
-
-
-def _age(iso: str | None) -> str:
-    if not iso:
-        return "never"
-    try:
-        then = datetime.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
-    except ValueError:
-        return iso
-    seconds = max(0.0, (datetime.now(timezone.utc) - then).total_seconds())
-    if seconds < 120:
-        ago = f"{seconds:.0f}s ago"
-    elif seconds < 7200:
-        ago = f"{seconds / 60:.0f} min ago"
-    elif seconds < 172800:
-        ago = f"{seconds / 3600:.0f} h ago"
-    else:
-        ago = f"{seconds / 86400:.0f} days ago"
-    return f"{then.strftime('%Y-%m-%d %H:%M:%S')} UTC ({ago})"
-
-
-def read_status(path: Path) -> str:
-    """How far the job in this output folder has got, as a few lines of text.
-
-    Safe while a job runs (the manifest is replaced atomically). JobError if ``path`` is not an
-    output folder.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise JobError(f"{path} is not a folder")
-    manifest = _read_manifest(path)
-    if manifest is None:
-        raise JobError(f"{path} is not a batchgen output folder (no {MANIFEST_NAME})")
-    totals = {**_totals_of([]), **manifest.get("totals", {})}
-    total_rows = manifest.get("total_rows")
-    rows = totals["rows"]
-    if total_rows:
-        progress = f"{rows:,} of {total_rows:,} rows ({100.0 * rows / total_rows:.1f}%)"
-    elif total_rows == 0:
-        progress = "0 of 0 rows"
-    else:
-        progress = f"{rows:,} rows (total not known yet)"
-    state = "finished" if manifest.get("finished") else "not finished (running or interrupted)"
-    lines = [
-        f"output:        {path}",
-        f"state:         {state}",
-        f"progress:      {progress}",
-        f"samples:       {totals['samples']:,} ({totals['errors']:,} errors)",
-        f"prompt tokens: {totals['prompt_tokens']:,} "
-        f"({totals['cached_prompt_tokens']:,} from the prefix cache)",
-        f"output tokens: {totals['output_tokens']:,}",
-        f"parts:         {totals['parts']:,}",
-        f"last commit:   {_age(manifest.get('last_commit_at'))}",
-    ]
-    try:
-        report = json.loads((path / REPORT_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        report = None
-    if isinstance(report, dict) and "elapsed_s" in report:
-        speed = report.get("output_tokens_per_s")
-        speed_text = f", {speed:,.1f} output tokens/s" if isinstance(speed, (int, float)) else ""
-        lines.append(f"last run:      {float(report['elapsed_s']):,.1f} s{speed_text}")
-    return "\n".join(lines)
-
-
 __all__ = [
     "COMMIT_STEPS",
     "LOCK_NAME",
@@ -617,5 +551,6 @@ __all__ = [
     "OutputFolder",
     "PartWriter",
     "inspect_folder",
-    "read_status",
+    "read_manifest",
+    "totals_of",
 ]

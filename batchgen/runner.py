@@ -28,9 +28,10 @@ from batchgen.plan import (
     sampling_params,
 )
 from batchgen.prompts import PromptEncoder
-from batchgen.results import OutputFolder, inspect_folder, read_status
+from batchgen.results import OutputFolder, inspect_folder
 from batchgen.schema import RowGroup, Totals, error_rows, output_schema
 from batchgen.signals import GracefulStop, Interrupted
+from batchgen.status import read_status
 
 # -- validate / status ----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import yaml
 
 from batchgen.errors import JobError
 from batchgen.job import ExecutorConfig, fingerprint, load_job
-from batchgen.results import MANIFEST_NAME, REPORT_NAME, _totals_of
+from batchgen.results import MANIFEST_NAME, REPORT_NAME, totals_of
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import read_results, run_cli, write_job
 
@@ -439,7 +439,7 @@ def test_job_yaml_with_executor_section(ray_cluster, data: SimpleNamespace, tmp_
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert len(manifest["parts"]) > 1
     last = manifest["parts"].pop()
-    manifest["totals"] = _totals_of(manifest["parts"])
+    manifest["totals"] = totals_of(manifest["parts"])
     manifest["finished"] = False
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
     run_cli("run", str(job), "--quiet", "--set", "executor.kind=local")

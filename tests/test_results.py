@@ -17,9 +17,9 @@ from batchgen.results import (
     MANIFEST_NAME,
     REPORT_NAME,
     OutputFolder,
-    read_status,
 )
 from batchgen.schema import output_schema
+from batchgen.status import read_status
 
 FP = {"model": "m1", "input": "i1", "sampling": "s1"}
 SCHEMA = output_schema(pa.int64(), [pa.field("topic", pa.string())], logprobs=False)
