@@ -56,7 +56,8 @@ from tqdm import tqdm
 
 from batchgen.errors import BatchgenError, JobError
 from batchgen.job import ExecutorConfig, Job
-from batchgen.model.loader import load_tokenizer, read_model_info
+from batchgen.model.config import read_model_info
+from batchgen.model.loader import load_tokenizer
 from batchgen.runner import (
     EncodedRow,
     JobRun,

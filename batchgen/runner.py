@@ -38,13 +38,12 @@ from batchgen.host_memory import keep_freed_memory
 from batchgen.job import Job, describe_fingerprint_mismatch, fingerprint
 from batchgen.model import cpu_kernels
 from batchgen.model.attention import make_attention_backend
+from batchgen.model.config import ModelInfo, read_model_info
 from batchgen.model.loader import (
-    ModelInfo,
     check_model,
     load_model,
     load_tokenizer,
     model_identity,
-    read_model_info,
 )
 from batchgen.results import (
     _PART_RE,

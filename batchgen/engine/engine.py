@@ -13,7 +13,7 @@ from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import FinishReason, Request, SampleResult, Sequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
-from batchgen.model.loader import ModelInfo
+from batchgen.model.config import ModelInfo
 
 
 @dataclass(frozen=True)
