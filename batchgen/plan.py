@@ -20,7 +20,7 @@ from batchgen.engine.engine import EngineConfig
 from batchgen.engine.request import SamplingParams
 from batchgen.errors import JobError
 from batchgen.job import Job
-from batchgen.model.loader import ModelInfo
+from batchgen.model.config import ModelInfo
 
 CPU_KV_CACHE_CAP = 1 << 30  # bytes: "auto" never takes more than this on a CPU
 CPU_KV_CACHE_SHARE = 0.25  # of available memory, for "auto" on a CPU

@@ -19,7 +19,8 @@ from batchgen.dataset import InputDataset
 from batchgen.errors import JobError
 from batchgen.executors import Executor
 from batchgen.job import Job, fingerprint
-from batchgen.model.loader import check_model, load_tokenizer, model_identity, read_model_info
+from batchgen.model.config import read_model_info
+from batchgen.model.loader import check_model, load_tokenizer, model_identity
 from batchgen.plan import (
     describe_engine,
     describe_executor,

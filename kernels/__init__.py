@@ -1,12 +1,37 @@
 """Triton kernels for the paged KV cache: store, attention, block copy.
 
-Set ``TRITON_INTERPRET=1`` before importing this package to run the kernels on CPU tensors with
-Triton's interpreter (tests do this when no GPU is present). ``batchgen.kernels.reference`` holds
-the plain PyTorch twin of each kernel.
+Importing this package imports no Triton: each kernel's module (``kv_store``, ``attention``,
+``block_copy``) is imported, with Triton, at the first access to its function here
+(``batchgen.kernels.paged_attention``), so the torch path runs where Triton is not installed.
+``batchgen.kernels.reference`` holds the plain PyTorch twin of each kernel (torch only).
+
+Set ``TRITON_INTERPRET=1`` before the first access to run the kernels on CPU tensors with
+Triton's interpreter (tests do this when no GPU is present).
 """
 
-from .copy_blocks import copy_blocks
-from .paged_attention import choose_num_splits, paged_attention
-from .store_kv import store_kv
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["choose_num_splits", "copy_blocks", "paged_attention", "store_kv"]
+
+# exported name -> the submodule that defines it (names differ from module names, so a
+# submodule imported directly never shadows a function here)
+_HOME = {
+    "choose_num_splits": "attention",
+    "copy_blocks": "block_copy",
+    "paged_attention": "attention",
+    "store_kv": "kv_store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{home}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])

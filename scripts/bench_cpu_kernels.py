@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from batchgen.engine import sampler
 from batchgen.model import cpu_kernels
-from batchgen.model.attention import TorchAttention, _Cascade
+from batchgen.model.attention import TorchAttention
+from batchgen.model.attention.torch_plan import Cascade as _Cascade
 
 HQ, HKV, D, BS, VOCAB = 8, 2, 64, 16, 4096
 

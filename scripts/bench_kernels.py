@@ -230,7 +230,7 @@ def bench_attention(
     nbytes = attention_bytes(batch)
     splits = num_splits
     if splits is None:  # report what the heuristic chose
-        pa = importlib.import_module("batchgen.kernels.paged_attention")
+        pa = importlib.import_module("batchgen.kernels.attention")
         sm = pa._device_sm_count(device)
         splits = kernels.choose_num_splits(
             len(kv_lens), batch.k_cache.shape[2], max(q_lens), max(kv_lens), sm
@@ -401,9 +401,9 @@ def compile_only() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    pa = importlib.import_module("batchgen.kernels.paged_attention")
-    sk = importlib.import_module("batchgen.kernels.store_kv")
-    cb = importlib.import_module("batchgen.kernels.copy_blocks")
+    pa = importlib.import_module("batchgen.kernels.attention")
+    sk = importlib.import_module("batchgen.kernels.kv_store")
+    cb = importlib.import_module("batchgen.kernels.block_copy")
     target = GPUTarget("cuda", 90, 32)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 

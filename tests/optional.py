@@ -32,7 +32,7 @@ def _mkl() -> bool:
 
     from batchgen.model import packed_linear
 
-    return packed_linear.packing_available(torch.device("cpu"), torch.float32)
+    return packed_linear.for_dtype(torch.device("cpu"), torch.float32) is not None
 
 
 def _ray() -> bool:

@@ -9,12 +9,14 @@ sequence uses is NaN, so a stray read shows up in the output.
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
 
 from batchgen.kernels.reference import paged_attention_ref, store_kv_ref
 from batchgen.model import cpu_kernels
+from batchgen.model.once import Once
 
 KERNEL = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(
@@ -188,18 +190,21 @@ def test_rejects_unsupported_inputs() -> None:
         )
 
 
+def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget the process's kernels for this test: the next load() builds them again."""
+    monkeypatch.setattr(cpu_kernels, "_KERNELS", Once(cpu_kernels._build))
+
+
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHGEN_CPU_KERNEL", "0")
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    fresh_loader(monkeypatch)
     assert cpu_kernels.load() is None
 
 
 def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    fresh_loader(monkeypatch)
     assert cpu_kernels.load() is None
 
 
@@ -370,3 +375,36 @@ def test_race_draw_is_the_samplers_plain_draw(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     ref = sampler.sample(logits, batch)
     assert torch.equal(native.tokens, ref.tokens)
+
+
+def test_concurrent_first_loads_both_get_the_kernels(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A caller arriving while another one compiles the library waits for it (it used to get
+    None: the loader marked itself done before the build finished)."""
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))  # nothing cached: a real build
+    fresh_loader(monkeypatch)
+    compiling, second_done = threading.Event(), threading.Event()
+    real_compile = cpu_kernels._compile
+
+    def slow_compile(cc: str):
+        compiling.set()
+        second_done.wait(timeout=2.0)  # the second caller returns early, or waits on the lock
+        return real_compile(cc)
+
+    monkeypatch.setattr(cpu_kernels, "_compile", slow_compile)
+    got: dict[str, object] = {}
+
+    def call(name: str) -> None:
+        got[name] = cpu_kernels.load()
+        if name == "second":
+            second_done.set()
+
+    first = threading.Thread(target=call, args=("first",))
+    first.start()
+    assert compiling.wait(timeout=60)
+    second = threading.Thread(target=call, args=("second",))
+    second.start()
+    first.join()
+    second.join()
+    assert got["first"] is not None and got["second"] is got["first"]

@@ -20,11 +20,11 @@ from batchgen.model.attention import (
     AttentionMetadata,
     TorchAttention,
 )
+from batchgen.model.config import read_model_info
 from batchgen.model.loader import (
     load_model,
     load_tokenizer,
     model_identity,
-    read_model_info,
 )
 from batchgen.tiny_model import (
     END_OF_TURN_ID,
@@ -159,30 +159,24 @@ def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= 1e-4 * max(scale, 1.0), f"max abs err {err:.3g} at logit scale {scale:.3g}"
 
 
-def use_native(native: bool, monkeypatch: pytest.MonkeyPatch) -> TorchAttention:
-    """The attention backend for a test, with the C kernels and pre-packed GEMM weights on (when
-    they can be here) or off everywhere (attention, RMSNorm, RoPE, SwiGLU, ``F.linear``: the
-    pure-PyTorch path)."""
-    from batchgen.model import cpu_kernels, llama, packed_linear
+def load(model_dir: Path, native: bool, dtype: torch.dtype = torch.float32):
+    """Our model with the C kernels and pre-packed GEMM weights on (when they can be here) or
+    off everywhere (attention, RMSNorm, RoPE, SwiGLU, ``F.linear``: the pure-PyTorch path)."""
+    from batchgen.model import cpu_kernels
 
     if native and cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot be built here (no C compiler?)")
-    if not native:
-        monkeypatch.setattr(llama, "_native", lambda x: None)
-        monkeypatch.setattr(packed_linear, "_tried", True)
-        monkeypatch.setattr(packed_linear, "_mkl", None)
-    return TorchAttention(native=native)
+    return load_model(model_dir, CPU, dtype, TorchAttention(native=native), native=native)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_paged_logits_match_transformers(
-    name: str, native: bool, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    name: str, native: bool, model_dirs: dict[str, Path]
 ) -> None:
     kw, block_size = CASES[name]
     model_dir = model_dirs[name]
-    attention = use_native(native, monkeypatch)
-    model, info = load_model(model_dir, CPU, torch.float32, attention)
+    model, info = load(model_dir, native)
     gen = torch.Generator().manual_seed(len(name))
     schedules = schedules_for(block_size)
     seqs = [torch.randint(0, info.vocab_size, (sum(c),), generator=gen).tolist() for c in schedules]
@@ -199,8 +193,7 @@ def test_mlp_in_row_slices_matches_transformers(
     from batchgen.model import llama
 
     monkeypatch.setattr(llama, "_MLP_ROWS", 5)
-    attention = use_native(native, monkeypatch)
-    model, info = load_model(model_dirs["llama"], CPU, torch.float32, attention)
+    model, info = load(model_dirs["llama"], native)
     gen = torch.Generator().manual_seed(3)
     schedules = schedules_for(CASES["llama"][1])
     seqs = [torch.randint(0, info.vocab_size, (sum(c),), generator=gen).tolist() for c in schedules]
@@ -215,11 +208,10 @@ def test_shared_prefix_blocks_match_transformers(
 ) -> None:
     """Sequences that reuse another's cached prefix blocks (prefix cache, forks); with the
     cascade threshold at 0, their decode and extend steps go through the cascade path."""
-    from batchgen.model import attention
+    from batchgen.model.attention import torch_plan
 
-    monkeypatch.setattr(attention, "_CASCADE_MIN_SAVED", 0)
-    backend = use_native(native, monkeypatch)
-    model, info = load_model(model_dirs["llama"], CPU, torch.float32, backend)
+    monkeypatch.setattr(torch_plan, "_CASCADE_MIN_SAVED", 0)
+    model, info = load(model_dirs["llama"], native)
     gen = torch.Generator().manual_seed(5)
     bs = 4
     prefix = torch.randint(0, info.vocab_size, (3 * bs + 1,), generator=gen).tolist()
@@ -338,16 +330,17 @@ def test_torch_attention_matches_reference(
     unused cache blocks are NaN.
     ``native``: every sequence and every cascade prefix in the C kernels (reading the paged
     cache in place), per token or tiled."""
-    from batchgen.model import attention, cpu_kernels
+    from batchgen.model import cpu_kernels
+    from batchgen.model.attention import torch_backend, torch_plan
 
     if native and cpu_kernels.load() is None:
         pytest.skip("the CPU attention kernel cannot be built here (no C compiler?)")
 
     if tuning != "default":
-        monkeypatch.setattr(attention, "_CASCADE_MIN_SAVED", 0)  # any shared block is a cascade
-        monkeypatch.setattr(attention, "_GROUP_OVERHEAD", 0 if tuning == "split" else 10**9)
+        monkeypatch.setattr(torch_plan, "_CASCADE_MIN_SAVED", 0)  # any shared block: a cascade
+        monkeypatch.setattr(torch_plan, "_GROUP_OVERHEAD", 0 if tuning == "split" else 10**9)
     if tuning == "no_flash_op":  # the log-sum-exp path used off the CPU
-        monkeypatch.setattr(attention, "_flash_cpu", None)
+        monkeypatch.setattr(torch_backend, "_flash_cpu", None)
     gen = torch.Generator().manual_seed(hq * 100 + block_size)
     d, bs = 8, block_size
     pools = {"a": 3, "b": 1, "c": 2}  # shared prefixes, in blocks ("c" follows "a")
@@ -368,8 +361,8 @@ def test_torch_attention_matches_reference(
     pool_blocks = {}
     for name, n in pools.items():
         pool_blocks[name], perm = perm[:n], perm[n:]
-    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
+    kv_cache = torch.full((1, 2, num_blocks, bs, hkv, d), float("nan"))  # one layer
+    k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
     k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     for blocks in pool_blocks.values():  # a shared prefix is written once
         for blk in blocks:
@@ -403,9 +396,9 @@ def test_torch_attention_matches_reference(
         max_seqlen_k=max(q + c for q, c, _ in specs),
     )
     backend = TorchAttention(native=native)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.3)
-    plan = meta.torch_plan
-    assert plan is not None
+    plan = backend.prepare(meta, kv_cache, hq)
+    out = backend.forward(q, k, v, k_cache, v_cache, plan, 0.3)
+    assert (plan.kernels is not None) == native
     if native:  # every sequence went to a kernel: few query rows per token, else tiled
         assert plan.native_seqs is not None and plan.tiled_seqs is not None and not plan.groups
         tiled = [b for b, (q, _, _) in enumerate(specs) if q * (hq // hkv) >= 16]
@@ -418,9 +411,9 @@ def test_torch_attention_matches_reference(
         assert plan.cascade_batch.slot_offsets.tolist() == [0, 3 * bs, 4 * bs]
     elif tuning != "default":
         assert len(plan.cascades) == 2 and plan.cascade_batch is None
-    # a second layer reuses the plan
-    out2 = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
-    assert meta.torch_plan is plan
+    # a second layer runs the same plan
+    kv_cache2 = kv_cache.clone()
+    out2 = backend.forward(q, k, v, kv_cache2[0, 0], kv_cache2[0, 1], plan, 0.3)
     ref = reference_attention(q, k_cache, v_cache, meta, 0.3)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -460,7 +453,7 @@ def test_rope_scaling_matches_transformers(rope: dict, tmp_path: Path) -> None:
 
 
 def test_config_parsing(model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    from batchgen.model.loader import read_model_config
+    from batchgen.model.config import read_model_config
 
     copy = shutil.copytree(model_dirs["llama"], tmp_path / "legacy")
     base = json.loads((copy / "config.json").read_text())
@@ -492,9 +485,9 @@ def test_bfloat16_forward_runs(
     model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 weights and cache on the CPU, through the decode, extend and cascade paths."""
-    from batchgen.model import attention
+    from batchgen.model.attention import torch_plan
 
-    monkeypatch.setattr(attention, "_CASCADE_MIN_SAVED", 0)
+    monkeypatch.setattr(torch_plan, "_CASCADE_MIN_SAVED", 0)
     model_dir = model_dirs["qwen3"]
     model, info = load_model(model_dir, CPU, torch.bfloat16, TorchAttention())
     assert model.embed_tokens.weight.dtype == torch.bfloat16
@@ -626,3 +619,29 @@ def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
         with pytest.raises(ModelError) as info:
             load(err_dir)
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "native,dtype", [(True, torch.float32), (False, torch.float32), (True, torch.bfloat16)]
+)
+def test_layer_implementations_are_chosen_at_load(
+    native: bool, dtype: torch.dtype, model_dirs: dict[str, Path]
+) -> None:
+    """Each layer is built with its implementation: the C kernels and packed GEMMs on CPU fp32,
+    torch's fused RMSNorm in fp32 without them, the HF formula in half precision."""
+    from batchgen.model import packed_linear
+    from batchgen.model.layers.activation import CpuSiluMul, silu_mul_
+    from batchgen.model.layers.linear import Linear, PackedLinear
+    from batchgen.model.layers.norm import CpuRMSNorm, FusedRMSNorm, RMSNorm
+    from batchgen.model.layers.rotary import CpuRope, rope_
+
+    model, _ = load(model_dirs["qwen3"], native, dtype)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    fast = native and dtype == torch.float32
+    norm_type = CpuRMSNorm if fast else FusedRMSNorm if dtype == torch.float32 else RMSNorm
+    norms = [model.norm, model.layers[0].input_layernorm, attn.q_norm, attn.k_norm]
+    assert all(type(n) is norm_type for n in norms)
+    assert isinstance(attn.rope_, CpuRope) if fast else attn.rope_ is rope_
+    assert isinstance(mlp.silu_mul_, CpuSiluMul) if fast else mlp.silu_mul_ is silu_mul_
+    packs = fast and packed_linear.load() is not None
+    assert type(attn.qkv_proj) is (PackedLinear if packs else Linear)

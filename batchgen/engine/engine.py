@@ -13,7 +13,7 @@ from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import FinishReason, Request, SampleResult, Sequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
-from batchgen.model.loader import ModelInfo
+from batchgen.model.config import ModelInfo
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,6 @@ def _copy_blocks_fn(backend: str) -> Callable[[torch.Tensor, torch.Tensor, torch
         from batchgen.kernels import copy_blocks
 
         return copy_blocks
-    from batchgen.kernels.reference import copy_blocks_ref
+    from batchgen.model.block_copy import copy_blocks  # the torch path imports no Triton
 
-    return copy_blocks_ref
+    return copy_blocks

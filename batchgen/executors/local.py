@@ -23,7 +23,8 @@ from batchgen.host_memory import keep_freed_memory
 from batchgen.job import Job
 from batchgen.model import cpu_kernels
 from batchgen.model.attention import make_attention_backend
-from batchgen.model.loader import ModelInfo, load_model
+from batchgen.model.config import ModelInfo
+from batchgen.model.loader import load_model
 from batchgen.plan import (
     Placement,
     engine_config,

@@ -53,7 +53,8 @@ from batchgen.errors import BatchgenError, JobError
 from batchgen.executors.local import RowGenerator
 from batchgen.executors.sharding import Planner, PrefixGroup, common_prefix
 from batchgen.job import ExecutorConfig, Job
-from batchgen.model.loader import load_tokenizer, read_model_info
+from batchgen.model.config import read_model_info
+from batchgen.model.loader import load_tokenizer
 from batchgen.plan import resolve_placement
 from batchgen.prompts import EncodedRow
 from batchgen.schema import RowGroup, Totals

@@ -22,11 +22,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from batchgen.model.once import Once
 
 __all__ = ["CpuKernels", "for_dtype", "load"]
 
@@ -36,9 +37,6 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -fopenmp: the library needs libgomp.so.1, which resolves to the copy torch has already loaded,
 # so the kernel's threads are torch's intra-op pool (see the C file)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
-_lock = threading.Lock()
-_loaded: CpuKernels | None = None
-_tried = False
 
 
 def _cache_dir() -> Path:
@@ -372,28 +370,30 @@ class CpuKernels:
             raise MemoryError("cpu paged attention: out of memory for its scratch buffers")
 
 
+def _build() -> CpuKernels | None:
+    """Compile (or find cached) and load the library; None when disabled or impossible."""
+    if os.environ.get("BATCHGEN_CPU_KERNEL", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: the CPU path uses slower PyTorch ops")
+        return None
+    try:
+        return CpuKernels(_compile(cc))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("could not build the CPU kernels (%s): using PyTorch ops", e)
+        return None
+
+
+# the process's kernels: built by the first caller, every concurrent caller waits for them
+_KERNELS: Once[CpuKernels | None] = Once(_build)
+
+
 def load() -> CpuKernels | None:
     """The compiled kernels, or None when disabled or when they cannot be built here (logged
-    once). Built and loaded at the first call; later calls return the same object."""
-    global _loaded, _tried
-    if _tried:  # the hot path: every layer asks
-        return _loaded
-    with _lock:
-        if _tried:
-            return _loaded
-        _tried = True
-        if os.environ.get("BATCHGEN_CPU_KERNEL", "1") == "0":
-            return None
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
-            log.warning("no C compiler found: the CPU path uses slower PyTorch ops")
-            return None
-        try:
-            _loaded = CpuKernels(_compile(cc))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("could not build the CPU kernels (%s): using PyTorch ops", e)
-            _loaded = None
-        return _loaded
+    once). Built and loaded at the first call (callers arriving meanwhile wait for it); later
+    calls return the same object."""
+    return _KERNELS.get()
 
 
 def for_dtype(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:

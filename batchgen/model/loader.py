@@ -1,7 +1,8 @@
-"""Hugging Face model folders -> our modules, tokenizer and identity.
+"""Hugging Face model folders -> our modules (weights), tokenizer and identity.
 
 A model folder holds ``config.json``, weights as ``*.safetensors`` (one file, or shards listed in
 ``model.safetensors.index.json``), tokenizer files and optionally ``generation_config.json``.
+config.json is parsed by :mod:`batchgen.model.config`.
 Every problem is a ``ModelError`` whose message is one line naming the problem and the path.
 """
 
@@ -11,7 +12,6 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,33 +19,24 @@ import torch
 
 from batchgen.errors import ModelError
 from batchgen.model.attention import AttentionBackend
-from batchgen.model.llama import SUPPORTED_ROPE_TYPES, LlamaForCausalLM, ModelConfig, RopeConfig
+from batchgen.model.config import (
+    ModelConfig,
+    ModelInfo,
+    model_info,
+    model_path,
+    one_line,
+    read_json,
+    read_model_config,
+)
+from batchgen.model.layers.backend import LayerBackend
+from batchgen.model.llama import LlamaForCausalLM
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "ModelInfo",
     "check_model",
-    "read_model_config",
-    "read_model_info",
     "load_model",
     "load_tokenizer",
     "model_identity",
 ]
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-
-# Defaults of the HF config classes for keys a config.json may leave out.
-_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {"max_position_embeddings": 2048},
-    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
-    "Qwen3ForCausalLM": {"max_position_embeddings": 32768},
-}
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -60,236 +51,6 @@ _TOKENIZER_FILES = (
 )
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the rest of batchgen needs to know about a model (cheap: from config.json only)."""
-
-    architecture: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_model_len: int  # max_position_embeddings, capped by a sliding window
-    eos_token_ids: tuple[int, ...]
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV-cache bytes one token occupies across all layers (K and V)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
-
-# --------------------------------------------------------------------------------------------
-# config.json
-# --------------------------------------------------------------------------------------------
-
-
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise ModelError(f"{what} not found: {path}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ModelError(f"invalid {what} {path}: {_one_line(err)}") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"invalid {what} {path}: expected a JSON object")
-    return data
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
-
-
-def _model_dir(model_dir: str | Path) -> Path:
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ModelError(f"model folder not found: {path}")
-    if not os.access(path, os.R_OK | os.X_OK):
-        raise ModelError(f"cannot read model folder {path}: permission denied")
-    return path
-
-
-def _eos_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return list(value)
-    return []
-
-
-def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int) -> RopeConfig:
-    """RoPE settings from transformers-5 ``rope_parameters`` or legacy ``rope_theta``/``rope_scaling``."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ModelError(f"invalid config.json {path}: rope_parameters must be an object")
-    if (
-        "rope_type" not in params
-        and "type" not in params
-        and params
-        and all(isinstance(v, dict) for v in params.values())
-    ):
-        raise ModelError(f"unsupported config.json {path}: per-layer-type rope_parameters")
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelError(
-            f"unsupported rope type {rope_type!r} in {path}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ModelError(f"unsupported partial_rotary_factor {partial} in {path}")
-    theta = params.get("rope_theta", raw.get("rope_theta")) or 10000.0
-    # the pre-training length that llama3/yarn scale from (HF's default: max_position_embeddings)
-    original = (
-        raw.get("original_max_position_embeddings")
-        or params.get("original_max_position_embeddings")
-        or max_pos
-    )
-    factor = params.get("factor")
-    try:
-        if rope_type == "yarn" and factor is None:
-            factor = max_pos / (original or max_pos)
-        if rope_type in ("linear", "dynamic", "llama3", "yarn") and factor is None:
-            raise ModelError(f"invalid config.json {path}: rope type {rope_type!r} needs 'factor'")
-        return RopeConfig(
-            rope_type=rope_type,
-            theta=float(theta),
-            factor=float(factor if factor is not None else 1.0),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(original) if original else None,
-            attention_factor=_opt_float(params.get("attention_factor")),
-            beta_fast=float(params.get("beta_fast") or 32.0),
-            beta_slow=float(params.get("beta_slow") or 1.0),
-            mscale=_opt_float(params.get("mscale")),
-            mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
-            truncate=bool(params.get("truncate", True)),
-        )
-    except (TypeError, ValueError) as err:
-        raise ModelError(f"invalid rope parameters in {path}: {_one_line(err)}") from None
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
-    """The attention window of the model, if any layer uses one (else None)."""
-    if arch == "MistralForCausalLM":
-        return raw.get("sliding_window", _ARCH_DEFAULTS[arch]["sliding_window"])
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        window = raw.get("sliding_window")
-        layer_types = raw.get("layer_types") or []
-        uses = bool(raw.get("use_sliding_window")) or "sliding_attention" in layer_types
-        return window if uses and window else None
-    return None
-
-
-def read_model_config(model_dir: str | Path) -> tuple[ModelConfig, tuple[int, ...]]:
-    """Parse and check ``config.json`` (plus ``generation_config.json`` for EOS ids)."""
-    root = _model_dir(model_dir)
-    path = root / "config.json"
-    raw = _read_json(path, "config.json")
-    archs = raw.get("architectures")
-    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
-        raise ModelError(f"config.json {path} names no architecture ('architectures' is missing)")
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(
-            f"unsupported architecture {arch} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    defaults = _ARCH_DEFAULTS[arch]
-
-    def req_int(key: str) -> int:
-        value = raw.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ModelError(f"invalid config.json {path}: {key!r} must be a positive integer")
-        return value
-
-    hidden = req_int("hidden_size")
-    num_heads = req_int("num_attention_heads")
-    num_layers = req_int("num_hidden_layers")
-    vocab = req_int("vocab_size")
-    intermediate = req_int("intermediate_size")
-    num_kv_heads = raw.get("num_key_value_heads") or num_heads
-    head_dim = raw.get("head_dim") or hidden // num_heads
-    if not isinstance(num_kv_heads, int) or num_heads % num_kv_heads != 0:
-        raise ModelError(
-            f"invalid config.json {path}: num_attention_heads {num_heads} is not a multiple of "
-            f"num_key_value_heads {num_kv_heads}"
-        )
-    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2 != 0:
-        raise ModelError(
-            f"invalid config.json {path}: head_dim {head_dim} must be a positive even integer"
-        )
-    act = raw.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ModelError(f"unsupported hidden_act {act!r} in {path}; supported: silu")
-    max_pos = raw.get("max_position_embeddings") or defaults["max_position_embeddings"]
-    if not isinstance(max_pos, int) or max_pos <= 0:
-        raise ModelError(
-            f"invalid config.json {path}: max_position_embeddings must be a positive integer"
-        )
-    # Sliding-window attention is not implemented: the usable length is capped at the window,
-    # where windowed and full causal attention are identical.
-    window = _sliding_window(raw, arch)
-    max_model_len = min(max_pos, window) if isinstance(window, int) and window > 0 else max_pos
-    rope = _parse_rope(raw, path, max_pos)
-
-    # biases: Qwen2 always has them on q/k/v (never on o); Llama's attention_bias covers
-    # q/k/v/o and Qwen3's too; Mistral has none; only Llama has mlp_bias
-    attention_bias = bool(raw.get("attention_bias", False)) and arch != "MistralForCausalLM"
-    qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
-    o_bias = attention_bias and arch != "Qwen2ForCausalLM"
-    mlp_bias = bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM"
-    cfg = ModelConfig(
-        architecture=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_model_len=max_model_len,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
-        qk_norm=arch == "Qwen3ForCausalLM",
-        rope=rope,
-    )
-
-    eos = _eos_ids(raw.get("eos_token_id"))
-    gen_path = root / "generation_config.json"
-    if gen_path.is_file():
-        eos += _eos_ids(_read_json(gen_path, "generation_config.json").get("eos_token_id"))
-    return cfg, tuple(dict.fromkeys(eos))
-
-
-def _info(cfg: ModelConfig, eos: tuple[int, ...]) -> ModelInfo:
-    return ModelInfo(
-        architecture=cfg.architecture,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        hidden_size=cfg.hidden_size,
-        vocab_size=cfg.vocab_size,
-        max_model_len=cfg.max_model_len,
-        eos_token_ids=eos,
-    )
-
-
-def read_model_info(model_dir: str | Path) -> ModelInfo:
-    """``ModelInfo`` from config.json (and generation_config.json); reads no weights."""
-    cfg, eos = read_model_config(model_dir)
-    return _info(cfg, eos)
-
-
 # --------------------------------------------------------------------------------------------
 # weights
 # --------------------------------------------------------------------------------------------
@@ -301,7 +62,7 @@ def _weight_files(root: Path) -> dict[str, Path]:
 
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index, "safetensors index").get("weight_map")
+        weight_map = read_json(index, "safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelError(f"invalid safetensors index {index}: no 'weight_map'")
         files = {name: root / str(file) for name, file in weight_map.items()}
@@ -322,7 +83,7 @@ def _weight_files(root: Path) -> dict[str, Path]:
                     files[name] = shard
         except Exception as err:  # safetensors raises its own error types
             raise ModelError(
-                f"corrupt or truncated safetensors file {shard}: {_one_line(err)}"
+                f"corrupt or truncated safetensors file {shard}: {one_line(err)}"
             ) from None
     return files
 
@@ -417,7 +178,7 @@ def _check_weights(root: Path, cfg: ModelConfig) -> dict[str, Path]:
                 shapes = {hf: tuple(f.get_slice(hf).get_shape()) for hf in names if hf in present}
         except Exception as err:  # safetensors raises its own error types
             raise ModelError(
-                f"corrupt or truncated safetensors file {file}: {_one_line(err)}"
+                f"corrupt or truncated safetensors file {file}: {one_line(err)}"
             ) from None
         for hf in names:
             if hf not in shapes:
@@ -441,7 +202,7 @@ def check_model(model_dir: str | Path) -> None:
     Raises ModelError with one line naming the problem and the file. Run before anything is
     written, so a half-copied model folder is refused before the job touches its output folder.
     """
-    root = _model_dir(model_dir)
+    root = model_path(model_dir)
     try:
         broken = sorted(
             p for p in root.iterdir() if p.suffix in _LINKABLE_SUFFIXES and not p.exists()
@@ -462,20 +223,26 @@ def load_model(
     model_dir: str | Path,
     device: torch.device,
     dtype: torch.dtype,
-    attention: AttentionBackend,
+    attention: AttentionBackend[Any],
+    native: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
-    """Build the model on ``device`` in ``dtype`` with the checkpoint's weights (eval mode)."""
+    """Build the model on ``device`` in ``dtype`` with the checkpoint's weights (eval mode).
+
+    Each layer's implementation is chosen here, once (:class:`LayerBackend`): the C kernels and
+    MKL-packed weights on CPU fp32 where available; ``native=False``: PyTorch ops only.
+    """
     from safetensors import safe_open
 
-    root = _model_dir(model_dir)
+    root = model_path(model_dir)
     cfg, eos = read_model_config(root)
     files = _check_weights(root, cfg)
     plan = _weight_plan(cfg)
 
     # Modules are built on the meta device (no memory, no random init); real tensors are
     # assigned below. The RoPE tables are built on the CPU explicitly and moved afterwards.
+    layers = LayerBackend.select(device, dtype, native)  # outside the meta device: it may compile
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, attention)
+        model = LlamaForCausalLM(cfg, attention, layers)
     expected = {name: p.shape for name, p in model.named_parameters()}
     assert set(expected) == set(plan), sorted(set(expected) ^ set(plan))
 
@@ -494,7 +261,7 @@ def load_model(
             raise
         except Exception as err:
             raise ModelError(
-                f"corrupt or truncated safetensors file {file}: {_one_line(err)}"
+                f"corrupt or truncated safetensors file {file}: {one_line(err)}"
             ) from None
 
     state: dict[str, torch.Tensor] = {}
@@ -510,11 +277,10 @@ def load_model(
             )
         state[ours] = tensor
     model.load_state_dict(state, strict=True, assign=True)
-    model.rope_cos = model.rope_cos.to(device)
-    model.rope_sin = model.rope_sin.to(device)
+    model.rotary.to(device)
     model.eval().requires_grad_(False)
     model.pack_weights()
-    return model, _info(cfg, eos)
+    return model, model_info(cfg, eos)
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,19 +301,19 @@ def _check_tokenizer_files(root: Path) -> None:
         try:
             json.loads(path.read_bytes())
         except (OSError, ValueError) as err:
-            raise ModelError(f"invalid tokenizer file {path}: {_one_line(err)}") from None
+            raise ModelError(f"invalid tokenizer file {path}: {one_line(err)}") from None
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The model's tokenizer via ``AutoTokenizer`` (local files only, never the network)."""
-    root = _model_dir(model_dir)
+    root = model_path(model_dir)
     _check_tokenizer_files(root)
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     except Exception as err:
-        raise ModelError(f"cannot load the tokenizer in {root}: {_one_line(err)}") from None
+        raise ModelError(f"cannot load the tokenizer in {root}: {one_line(err)}") from None
 
 
 def _safetensors_header(path: Path) -> bytes:
@@ -577,7 +343,7 @@ def model_identity(model_dir: str | Path) -> str:
     identity behind.
     """
     check_model(model_dir)
-    root = _model_dir(model_dir)
+    root = model_path(model_dir)
     try:
         return _identity(root)
     except OSError as err:

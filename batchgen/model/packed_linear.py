@@ -1,18 +1,18 @@
-"""Linear layers whose weights are pre-packed for MKL's sgemm (CPU, fp32).
+"""MKL's packed sgemm (CPU, fp32): weights copied once into MKL's GEMM layout.
 
 On the CPU, ``F.linear`` hands MKL the weight as a plain matrix, and MKL copies it into its
 blocked GEMM layout on every call. With a few hundred rows per step that copy is a large share
 of the work: profiling the shared-prefix benchmark put MKL's ``scopy`` packing routines at about
-a sixth of all GEMM time. :func:`pack_` does the copy once, at load time (``cblas_sgemm_pack``),
-keeps the packed matrix as ``proj.packed`` and drops ``proj.weight``; :func:`linear` and
-:func:`linear_add_` then call ``cblas_sgemm_compute`` on it. A packed matrix serves any number of
-rows; the residual add of ``linear_add_`` is the GEMM's ``beta = 1``.
+a sixth of all GEMM time. :func:`pack` does the copy once, at load time (``cblas_sgemm_pack``);
+:func:`compute` runs ``cblas_sgemm_compute`` on the packed matrix, which serves any number of
+rows (``beta = 1`` adds into the output: a fused residual add). The layers using this are
+:class:`batchgen.model.layers.linear.PackedLinear`.
 
 MKL is the copy statically linked into ``libtorch_cpu`` (x86-64 builds of torch export its
 ``cblas_sgemm_pack*`` functions); it runs on torch's intra-op threads. Where those functions are
 missing (other platforms), on GPUs, in other dtypes, or with ``BATCHGEN_PACK_WEIGHTS=0``,
-modules keep their weight and these functions run ``F.linear`` / ``addmm_``. Packing is checked
-once against ``F.linear`` before it is used; results differ from it only by float rounding.
+:func:`for_dtype` returns None and layers keep ``F.linear``. Packing is checked once against
+``F.linear`` before it is used; results differ from it only by float rounding.
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-__all__ = ["PackedWeight", "linear", "linear_add_", "pack_", "packing_available"]
+from batchgen.model.once import Once
+
+__all__ = ["Mkl", "PackedWeight", "compute", "for_dtype", "load", "pack"]
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,8 @@ _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 # The row count MKL is told at packing time; a packed matrix serves any row count.
 _ROWS_HINT = 256
 
-_lock = threading.Lock()
-_mkl: _Mkl | None = None
-_tried = False
 
-
-class _Mkl:
+class Mkl:
     """ctypes bindings of MKL's packed-GEMM functions (MKL_INT is 32-bit: the LP64 interface)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -58,39 +55,45 @@ class _Mkl:
         self.compute.argtypes = [i, i, i, i, i, i, p, i, p, i, f, p, i]
 
 
-def _load() -> _Mkl | None:
+def _find() -> Mkl | None:
     """The MKL inside torch, or None where it is missing or packing is switched off."""
-    global _mkl, _tried
-    if _tried:  # every GEMM asks: no lock once settled
-        return _mkl
-    with _lock:
-        if not _tried:
-            _mkl = _find()
-            _tried = True  # after _mkl: the unlocked read above never sees a half-done load
-        return _mkl
-
-
-def _find() -> _Mkl | None:
     if os.environ.get("BATCHGEN_PACK_WEIGHTS", "1") == "0":
         return None
     libs = sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
     try:
-        mkl = _Mkl(ctypes.CDLL(str(libs[0])))
+        mkl = Mkl(ctypes.CDLL(str(libs[0])))
     except (IndexError, OSError, AttributeError):
         return None  # no such library, or a torch built without MKL
     return mkl if _self_check(mkl) else None
 
 
-def _self_check(mkl: _Mkl) -> bool:
+def _self_check(mkl: Mkl) -> bool:
     """Pack a random matrix and compare one product with ``F.linear``."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 80, generator=gen)
     h = torch.randn(70, 80, generator=gen)
-    got = _compute(mkl, h, _pack(mkl, weight), torch.empty(70, 96), beta=0.0)
+    got = compute(mkl, h, pack(mkl, weight), torch.empty(70, 96), beta=0.0)
     ok = torch.allclose(got, F.linear(h, weight), rtol=1e-4, atol=1e-4)
     if not ok:
         log.warning("MKL packed GEMM disagrees with F.linear here; weights are not pre-packed")
     return ok
+
+
+# the process's MKL bindings: looked up and checked by the first caller
+_MKL: Once[Mkl | None] = Once(_find)
+
+
+def load() -> Mkl | None:
+    """MKL's packed GEMM, or None where it is missing or packing is switched off (looked up
+    once; concurrent first callers wait for the lookup)."""
+    return _MKL.get()
+
+
+def for_dtype(device: torch.device, dtype: torch.dtype) -> Mkl | None:
+    """MKL for weights on ``device`` in ``dtype``: CPU fp32 only; None means ``F.linear``."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return load()
+    return None
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,8 @@ class PackedWeight:
     in_features: int
 
 
-def _pack(mkl: _Mkl, weight: Tensor) -> PackedWeight:
+def pack(mkl: Mkl, weight: Tensor) -> PackedWeight:
+    """weight ``[out, in]`` fp32 (any strides) -> its packed copy for :func:`compute`."""
     n, k = weight.shape
     weight = weight.detach().contiguous()
     # the size MKL asks for includes slack it never writes (untouched pages stay unmapped)
@@ -114,7 +118,7 @@ def _pack(mkl: _Mkl, weight: Tensor) -> PackedWeight:
     return PackedWeight(buffer, n, k)
 
 
-def _compute(mkl: _Mkl, h: Tensor, w: PackedWeight, out: Tensor, beta: float) -> Tensor:
+def compute(mkl: Mkl, h: Tensor, w: PackedWeight, out: Tensor, beta: float) -> Tensor:
     """out ``[M, N]`` <- h ``[M, K]`` @ W^T + beta * out. Rows of h and out may be strided
     (a column slice), their elements must be contiguous."""
     m = h.shape[0]
@@ -125,55 +129,3 @@ def _compute(mkl: _Mkl, h: Tensor, w: PackedWeight, out: Tensor, beta: float) ->
             out.data_ptr(), out.stride(0),
         )  # fmt: skip
     return out
-
-
-def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether weights on ``device`` in ``dtype`` get pre-packed here."""
-    return device.type == "cpu" and dtype == torch.float32 and _load() is not None
-
-
-def pack_(model: nn.Module) -> int:
-    """Pack the weight of every ``nn.Linear`` in ``model`` that can be, as ``module.packed``,
-    and drop its ``weight`` (the model takes no more memory than before). Returns how many."""
-    count = 0
-    for module in model.modules():
-        if not isinstance(module, nn.Linear) or module.weight is None:
-            continue
-        mkl = _load()
-        if mkl is not None and packing_available(module.weight.device, module.weight.dtype):
-            module.packed = _pack(mkl, module.weight)
-            module.weight = None
-            count += 1
-    return count
-
-
-def _usable(h: Tensor) -> Tensor:
-    """h with unit stride along its rows (MKL takes any row stride)."""
-    return h if h.stride(1) == 1 and h.stride(0) >= h.shape[1] else h.contiguous()
-
-
-def linear(h: Tensor, proj: nn.Linear) -> Tensor:
-    """``proj(h)``: h ``[T, in]`` -> ``[T, out]``."""
-    packed: PackedWeight | None = getattr(proj, "packed", None)
-    if packed is None:
-        return F.linear(h, proj.weight, proj.bias)
-    mkl = _load()
-    assert mkl is not None
-    out = _compute(mkl, _usable(h), packed, h.new_empty(h.shape[0], packed.out_features), 0.0)
-    return out if proj.bias is None else out.add_(proj.bias)
-
-
-def linear_add_(x: Tensor, h: Tensor, proj: nn.Linear) -> Tensor:
-    """``x += proj(h)`` in place, returns x; x ``[T, out]``, h ``[T, in]``. Without a bias the
-    add happens inside the GEMM (beta = 1): no ``[T, out]`` temporary, no second pass over x."""
-    packed: PackedWeight | None = getattr(proj, "packed", None)
-    if packed is not None and x.stride(1) == 1 and x.stride(0) >= x.shape[1]:
-        mkl = _load()
-        assert mkl is not None
-        _compute(mkl, _usable(h), packed, x, 1.0)
-        return x if proj.bias is None else x.add_(proj.bias)
-    if packed is not None:
-        return x.add_(linear(h, proj))
-    if proj.bias is None:
-        return x.addmm_(h, proj.weight.t())
-    return x.add_(F.linear(h, proj.weight, proj.bias))

@@ -1,0 +1,294 @@
+"""PyTorch paged attention (the CPU production path): runs a ``TorchAttentionPlan``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from batchgen.model import cpu_kernels
+from batchgen.model.attention.metadata import AttentionMetadata
+from batchgen.model.attention.torch_plan import (
+    DECODE,
+    FRESH,
+    Cascade,
+    Group,
+    TorchAttentionPlan,
+    build_torch_plan,
+)
+
+__all__ = ["TorchAttention"]
+
+# Decode/extend groups gather and attend in chunks of sequences of about this many K+V bytes.
+_GATHER_CHUNK_BYTES = 16 << 20
+
+# The CPU flash-attention op behind F.scaled_dot_product_attention; unlike SDPA it also returns
+# the log-sum-exp. Private but stable across the torch versions we support; None elsewhere.
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_lse(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Attention that also returns the log-sum-exp of the scores.
+
+    q ``[n, H, Lq, D]``, k/v ``[n, H, Lk, D]`` (same H), additive mask broadcastable to
+    ``[n, H, Lq, Lk]`` or None -> out ``[n, H, Lq, D]``, lse ``[n, H, Lq]`` fp32.
+    """
+    if q.device.type == "cpu" and _flash_cpu is not None:
+        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        return out, lse.float()
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
+    return torch.matmul(probs, v), lse
+
+
+class TorchAttention:
+    """PyTorch paged attention (the CPU production path).
+
+    On a CPU fp32 cache, every sequence and every cascade prefix runs in the C kernels of
+    :mod:`batchgen.model.cpu_kernels` (they read the paged cache in place) when they can be built;
+    ``native=False`` keeps everything in PyTorch (gathers and SDPA). ``prepare`` builds the
+    step's ``TorchAttentionPlan``; ``forward`` runs it for one layer. Holds grow-only gather
+    buffers reused by every layer and step (a fresh allocation of tens of MB per gather costs more
+    in page faults than the copy itself), so one instance must not run two forward passes
+    concurrently.
+    """
+
+    def __init__(self, native: bool = True) -> None:
+        self._workspace: dict[str, Tensor] = {}
+        self._use_native = native
+
+    def _buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        numel = math.prod(shape)
+        buf = self._workspace.get(name)
+        if (
+            buf is None
+            or buf.numel() < numel
+            or buf.dtype != like.dtype
+            or buf.device != like.device
+        ):
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._workspace[name] = buf
+        return buf[:numel].view(shape)
+
+    def _gather(self, name: str, flat: Tensor, slots: Tensor) -> Tensor:
+        """``flat[slots]`` ([len(slots), Hkv, D]) into a reused buffer."""
+        out = self._buffer(name, (slots.shape[0], *flat.shape[1:]), flat)
+        return torch.index_select(flat, 0, slots, out=out)
+
+    def prepare(
+        self, meta: AttentionMetadata, kv_cache: Tensor, num_heads: int
+    ) -> TorchAttentionPlan:
+        """The step's plan (see ``AttentionBackend.prepare``): the C kernels for a CPU fp32
+        cache when they can be built here (and ``native``), else PyTorch groups."""
+        kernels = (
+            cpu_kernels.for_dtype(kv_cache.device, kv_cache.dtype) if self._use_native else None
+        )
+        block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
+        return build_torch_plan(
+            meta, block_size, num_heads // num_kv_heads, kv_cache.dtype, kernels
+        )
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        plan: TorchAttentionPlan,
+        scale: float,
+    ) -> Tensor:
+        """See ``AttentionBackend.forward``."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        meta, kernels = plan.meta, plan.kernels
+        # write the new K/V; caches viewed as [num_slots, Hkv, D]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        if kernels is not None:
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            k_flat.index_copy_(0, meta.slot_mapping, k)
+            v_flat.index_copy_(0, meta.slot_mapping, v)
+
+        if (
+            len(plan.groups) == 1
+            and plan.groups[0].q_index is None
+            and not plan.cascades
+            and plan.cascade_batch is None
+            and plan.native_seqs is None
+            and plan.tiled_seqs is None
+        ):
+            return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale)[0]
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+        with_lse = plan.cascades or plan.cascade_batch is not None
+        lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if with_lse else None
+        for seqs, tiled in ((plan.native_seqs, False), (plan.tiled_seqs, True)):
+            if seqs is None:
+                continue
+            assert kernels is not None  # kernel shares exist in native plans only
+            kernels.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                seqs,
+                out,
+                scale,
+                k_start=plan.k_start,
+                lse=lse_all,
+                tiled=tiled,
+            )
+        for g in plan.groups:
+            o, lse = self._group(g, q, k, v, k_flat, v_flat, scale)  # [n*max_q, Hq, D], [.., Hq]
+            if g.out_select is not None:
+                o = o.index_select(0, g.out_select)
+                lse = None if lse is None else lse.index_select(0, g.out_select)
+            rows = (
+                g.out_rows if g.out_rows is not None else torch.arange(num_tokens, device=q.device)
+            )
+            out.index_copy_(0, rows, o)
+            if lse is not None:
+                assert lse_all is not None
+                lse_all.index_copy_(0, rows, lse)
+        cb = plan.cascade_batch
+        if cb is not None:  # attention and merge in one pass, the prefixes read in place
+            assert lse_all is not None and kernels is not None
+            kernels.prefix_attention_merge_(
+                q, k_cache, v_cache, cb.slots, cb.slot_offsets, cb.rows, cb.row_offsets, out,
+                lse_all, scale,
+            )  # fmt: skip
+        for c in plan.cascades:
+            assert lse_all is not None
+            self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale)
+        return out
+
+    def _group(
+        self,
+        g: Group,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_flat: Tensor,
+        v_flat: Tensor,
+        scale: float,
+    ) -> tuple[Tensor, Tensor | None]:
+        """One padded group -> out ``[n*max_q, Hq, D]`` (padded rows included) and, for cascade
+        members, the log-sum-exp ``[n*max_q, Hq]``."""
+        _, hq, d = q.shape
+        hkv = k.shape[1]
+        grp = hq // hkv
+        n, max_q, max_k = g.n, g.max_q, g.max_k
+        qg = q if g.q_index is None else q.index_select(0, g.q_index)
+        qg = qg.view(n, max_q, hq, d)
+
+        if g.kind == FRESH:
+            # keys are this step's rows; right padding is harmless under a causal mask
+            kg = k if g.q_index is None else k.index_select(0, g.q_index)
+            vg = v if g.q_index is None else v.index_select(0, g.q_index)
+            kg = kg.view(n, max_q, hkv, d).transpose(1, 2)  # [n, Hkv, max_q, D]
+            vg = vg.view(n, max_q, hkv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qg.transpose(1, 2), kg, vg, is_causal=True, scale=scale, enable_gqa=grp > 1
+            )  # [n, Hq, max_q, D]
+            return o.transpose(1, 2).reshape(n * max_q, hq, d), None
+
+        # Gather and attend in chunks of sequences: a chunk's gathered K/V (at most
+        # _GATHER_CHUNK_BYTES) is still in the CPU caches when attention reads it.
+        assert g.k_slots is not None
+        slots = g.k_slots.view(n, max_k)
+        per_seq = 2 * max_k * hkv * d * k_flat.element_size()
+        step = max(1, _GATHER_CHUNK_BYTES // per_seq)
+        if step >= n:
+            return self._attend_cached(g, qg, slots, g.mask, k_flat, v_flat, scale)
+        outs, lses = [], []
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            mask = None if g.mask is None else g.mask[lo:hi]
+            o, lse = self._attend_cached(g, qg[lo:hi], slots[lo:hi], mask, k_flat, v_flat, scale)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), None if not g.want_lse else torch.cat(lses)  # type: ignore[arg-type]
+
+    def _attend_cached(
+        self,
+        g: Group,
+        qg: Tensor,
+        slots: Tensor,
+        mask: Tensor | None,
+        k_flat: Tensor,
+        v_flat: Tensor,
+        scale: float,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Sequences ``qg [m, max_q, Hq, D]`` against their gathered keys ``slots [m, max_k]``
+        -> out ``[m*max_q, Hq, D]`` and (want_lse) lse ``[m*max_q, Hq]``."""
+        m, max_q, hq, d = qg.shape
+        max_k = slots.shape[1]
+        hkv = k_flat.shape[1]
+        grp = hq // hkv
+        kg = self._gather("k", k_flat, slots.reshape(-1)).view(m, max_k, hkv, d).transpose(1, 2)
+        vg = self._gather("v", v_flat, slots.reshape(-1)).view(m, max_k, hkv, d).transpose(1, 2)
+        if g.kind == DECODE:
+            qp = qg.view(m, hkv, grp, d)  # the G heads sharing a KV head become G query rows
+            if g.want_lse:
+                o, lse = _attend_lse(qp, kg, vg, mask, scale)  # [m,Hkv,G,D], [m,Hkv,G]
+                return o.reshape(m, hq, d), lse.reshape(m, hq)
+            o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=mask, scale=scale)
+            return o.reshape(m, hq, d), None
+        if g.want_lse:
+            qp = (
+                qg.view(m, max_q, hkv, grp, d)
+                .permute(0, 2, 1, 3, 4)
+                .reshape(m, hkv, max_q * grp, d)
+            )
+            o, lse = _attend_lse(qp, kg, vg, mask, scale)  # [m,Hkv,max_q*G,D], [m,Hkv,max_q*G]
+            o = o.view(m, hkv, max_q, grp, d).permute(0, 2, 1, 3, 4).reshape(m * max_q, hq, d)
+            lse = lse.view(m, hkv, max_q, grp).permute(0, 2, 1, 3).reshape(m * max_q, hq)
+            return o, lse
+        o = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg, vg, attn_mask=mask, scale=scale, enable_gqa=grp > 1
+        )  # [m, Hq, max_q, D]
+        return o.transpose(1, 2).reshape(m * max_q, hq, d), None
+
+    def _merge_prefix(
+        self,
+        c: Cascade,
+        q: Tensor,
+        k_flat: Tensor,
+        v_flat: Tensor,
+        out: Tensor,
+        lse_all: Tensor,
+        scale: float,
+    ) -> None:
+        """Attend the cascade's rows to its shared prefix and merge into ``out`` and
+        ``lse_all`` in place."""
+        _, hq, d = q.shape
+        hkv = k_flat.shape[1]
+        grp = hq // hkv
+        r = c.rows.shape[0]
+        # all member rows as one batch: [1, Hkv, R*G, D] against [1, Hkv, Lp, D]
+        qp = q.index_select(0, c.rows).view(r, hkv, grp, d).permute(1, 0, 2, 3)
+        qp = qp.reshape(1, hkv, r * grp, d)
+        kp = self._gather("k", k_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
+        vp = self._gather("v", v_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
+        o_p, lse_p = _attend_lse(qp, kp, vp, None, scale)
+        o_p = o_p.view(hkv, r, grp, d).permute(1, 0, 2, 3).reshape(r, hq, d)
+        lse_p = lse_p.view(hkv, r, grp).permute(1, 0, 2).reshape(r, hq)
+        o_s = out.index_select(0, c.rows)
+        lse_s = lse_all.index_select(0, c.rows)
+        # softmax over the union of both key sets = weighted mix of the two partial results
+        lse = torch.logaddexp(lse_s, lse_p)
+        w_s = torch.exp(lse_s - lse).unsqueeze(-1)
+        w_p = torch.exp(lse_p - lse).unsqueeze(-1)
+        merged = (o_s.float() * w_s + o_p.float() * w_p).to(out.dtype)
+        out.index_copy_(0, c.rows, merged)
+        lse_all.index_copy_(0, c.rows, lse)

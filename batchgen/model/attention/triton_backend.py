@@ -1,0 +1,56 @@
+"""Paged attention through the Triton kernels of ``batchgen.kernels``."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from batchgen.model.attention.metadata import AttentionMetadata
+
+__all__ = ["TritonAttention"]
+
+
+class TritonAttention:
+    """Paged attention through the Triton kernels of ``batchgen.kernels``.
+
+    The kernels are imported at the first call, so that this module (and the torch path) never
+    depends on Triton being importable.
+    """
+
+    def __init__(self) -> None:
+        self._store_kv = None
+        self._paged_attention = None
+
+    def prepare(
+        self, meta: AttentionMetadata, kv_cache: Tensor, num_heads: int
+    ) -> AttentionMetadata:
+        """The kernels need nothing beyond the metadata: it is the plan."""
+        return meta
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        plan: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:
+        """See ``AttentionBackend.forward``."""
+        if self._paged_attention is None:
+            from batchgen.kernels import paged_attention, store_kv
+
+            self._store_kv, self._paged_attention = store_kv, paged_attention
+        meta = plan
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            scale,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+        )

@@ -1,0 +1,73 @@
+"""Linear layers: ``Linear`` (``F.linear``) and ``PackedLinear`` (weights pre-packed for MKL's
+GEMM, CPU fp32). Modules are built as ``Linear``; once their weights are loaded,
+:func:`pack_linears_` swaps each for a ``PackedLinear`` where the backend has MKL."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from batchgen.model import packed_linear
+from batchgen.model.packed_linear import Mkl, PackedWeight
+
+__all__ = ["Linear", "PackedLinear", "pack_linears_"]
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` plus the residual form ``add_``."""
+
+    def add_(self, x: Tensor, h: Tensor) -> Tensor:
+        """``x += self(h)`` in place, returns x; x ``[T, out]``, h ``[T, in]``."""
+        if self.bias is None:
+            return x.addmm_(h, self.weight.t())
+        return x.add_(F.linear(h, self.weight, self.bias))
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is held only in MKL's packed layout (no ``weight``: the model
+    takes no more memory than before). Results differ from ``F.linear`` only by rounding."""
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None, mkl: Mkl) -> None:
+        super().__init__()
+        self.mkl = mkl
+        self.packed: PackedWeight = packed_linear.pack(mkl, weight)  # [out, in]
+        self.bias = bias  # [out] or None
+        self.in_features, self.out_features = self.packed.in_features, self.packed.out_features
+
+    def forward(self, h: Tensor) -> Tensor:
+        """h ``[T, in]`` -> ``[T, out]``."""
+        out = h.new_empty(h.shape[0], self.out_features)
+        packed_linear.compute(self.mkl, _unit_rows(h), self.packed, out, 0.0)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def add_(self, x: Tensor, h: Tensor) -> Tensor:
+        """``x += self(h)`` in place, returns x. When x's rows are unit-stride the add happens
+        inside the GEMM (beta = 1): no ``[T, out]`` temporary, no second pass over x."""
+        if not (x.stride(1) == 1 and x.stride(0) >= x.shape[1]):
+            return x.add_(self(h))
+        packed_linear.compute(self.mkl, _unit_rows(h), self.packed, x, 1.0)
+        return x if self.bias is None else x.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def _unit_rows(h: Tensor) -> Tensor:
+    """h with unit stride along its rows (MKL takes any row stride)."""
+    return h if h.stride(1) == 1 and h.stride(0) >= h.shape[1] else h.contiguous()
+
+
+def pack_linears_(model: nn.Module, mkl: Mkl | None) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (weights loaded, CPU fp32) by its
+    ``PackedLinear``; returns how many. ``mkl`` None: nothing changes."""
+    if mkl is None:
+        return 0
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child.weight, child.bias, mkl))
+    return len(targets)
