@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchgen.engine.engine import Engine, EngineConfig
-from batchgen.engine.request import Request, SampleTarget, SamplingParams
+from batchgen.engine.request import FinishReason, Request, SampleTarget, SamplingParams
 from batchgen.engine.sampler import rng_key
 from batchgen.model.attention import make_attention_backend
 from batchgen.model.loader import load_model
@@ -18,7 +18,7 @@ from tests.test_e2e import ARCHS, hf_greedy
 CPU = torch.device("cpu")
 
 
-def make_engine(model_dir, backend="torch", **overrides) -> Engine:
+def make_engine(model_dir, backend="torch", detokenize=None, **overrides) -> Engine:
     model, info = load_model(model_dir, CPU, torch.float32, make_attention_backend(backend))
     cfg = dict(
         block_size=4,
@@ -31,7 +31,13 @@ def make_engine(model_dir, backend="torch", **overrides) -> Engine:
     )
     cfg.update(overrides)
     return Engine(
-        model, info, EngineConfig(**cfg), device=CPU, dtype=torch.float32, check_invariants=True
+        model,
+        info,
+        EngineConfig(**cfg),
+        device=CPU,
+        dtype=torch.float32,
+        detokenize=detokenize,
+        check_invariants=True,
     )
 
 
@@ -95,3 +101,34 @@ def test_triton_backend_matches_torch(tiny_model, sampling):
     assert {k: r.num_cached_tokens for k, r in got.items()} == {
         k: r.num_cached_tokens for k, r in want.items()
     }
+
+
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(tiny_model):
+    """max_tokens 24 and the text of the 24th token as the stop string: the sample ends with
+    ``stop`` and its text is cut right before the stop string (not ``length`` with it kept)."""
+    from transformers import AutoTokenizer
+
+    model = tiny_model("llama", **ARCHS["llama"])
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = random_prompts([5, 9, 12, 17, 20, 23], seed=6)
+    outs = generate(make_engine(model), prompts, plain)
+    # rows whose last token has text that occurs nowhere earlier in the output text
+    cases = []
+    for row, prompt in enumerate(prompts):
+        ids = outs[(row, 0)].token_ids
+        stop, text = decode(ids[-1:]), decode(ids)
+        if stop.strip() and text.find(stop) == len(text) - len(stop):
+            cases.append((prompt, stop, text[: -len(stop)]))
+    assert cases, "no prompt whose last token's text is new"
+    for prompt, stop, want in cases:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=(stop,))
+        engine = make_engine(model, detokenize=decode)
+        (res,) = generate(engine, [prompt], params).values()
+        assert res.finish_reason == FinishReason.STOP
+        assert res.text == want
+        assert len(res.token_ids) == 24

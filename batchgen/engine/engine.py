@@ -10,9 +10,10 @@ import torch
 from batchgen.engine.batch import build_step
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.radix_cache import make_prefix_cache
-from batchgen.engine.request import FinishReason, Request, SampleResult, Sequence
+from batchgen.engine.request import Request, SampleResult, Sequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
+from batchgen.engine.stop import StopStrings
 from batchgen.model.loader import ModelInfo
 
 
@@ -62,7 +63,6 @@ class Engine:
         self.config = config
         self.device = device
         self.vocab_size = info.vocab_size
-        self.detokenize = detokenize
         self.check_invariants = check_invariants
         self.copy_blocks = _copy_blocks_fn(config.attention_backend)
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
@@ -90,6 +90,7 @@ class Engine:
             self.pool,
             cache,
             info.eos_token_ids,
+            StopStrings(detokenize) if detokenize is not None else None,
         )
         self.stats = EngineStats()
 
@@ -125,7 +126,6 @@ class Engine:
             self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         self._account(batch)
         finished = self.scheduler.update(batch, draws)
-        finished += self._check_stop_strings(batch)
         if self.check_invariants:
             self.scheduler.check()
         return [self._result(seq) for seq in finished]
@@ -168,32 +168,6 @@ class Engine:
                 )
                 i += k
         return draws
-
-    def _check_stop_strings(self, batch: Batch) -> list[Sequence]:
-        """Finish sequences whose output text now contains a stop string (matched across token
-        boundaries); their text is cut before the earliest match.
-
-        A new match must involve the newest token (older text was checked in earlier steps), so
-        only the last few tokens are decoded each step; the full text is decoded on a hit.
-        """
-        if self.detokenize is None:
-            return []
-        finished = []
-        for seq in list(self.scheduler.running):
-            stops = seq.params.stop
-            if not stops or seq.num_output_tokens == 0:
-                continue
-            tail = self.detokenize(seq.output_ids[-(max(map(len, stops)) + 2) :])
-            if not any(s in tail for s in stops):
-                continue
-            text = self.detokenize(seq.output_ids)
-            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-            if not hits:
-                continue
-            seq.text = text[: min(hits)]
-            self.scheduler.finish(seq, FinishReason.STOP)
-            finished.append(seq)
-        return finished
 
     def _account(self, batch: Batch) -> None:
         bs = self.config.block_size

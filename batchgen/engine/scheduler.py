@@ -21,6 +21,7 @@ from batchgen.engine.request import (
     SeqStatus,
     Sequence,
 )
+from batchgen.engine.stop import StopStrings
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,15 @@ class Scheduler:
         pool: BlockPool,
         cache,  # RadixCache or NullCache (same interface)
         eos_token_ids: SequenceABC[int] = (),
+        stop_strings: StopStrings | None = None,
     ) -> None:
+        """``stop_strings`` finds the requests' stop strings in the output text; without it stop
+        strings are not looked for."""
         self.config = config
         self.pool = pool
         self.cache = cache
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_strings = stop_strings
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -282,7 +287,7 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire a running sequence (also used by the engine for stop strings)."""
+        """Retire a running sequence."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
@@ -331,11 +336,19 @@ class Scheduler:
         seq.num_blocks_in_cache = full
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Whether ``seq`` ends with its newest token ``token``, decided here only and in this
+        order: EOS or a stop token id, a stop string (then ``seq.text`` is the output text cut
+        before it), max_tokens or max_model_len."""
         params = seq.params
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
             return FinishReason.STOP
+        if params.stop and self.stop_strings is not None:
+            text = self.stop_strings.match(seq.output_ids, params.stop)
+            if text is not None:
+                seq.text = text
+                return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         if len(seq.token_ids) >= self.config.max_model_len:
