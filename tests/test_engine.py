@@ -132,3 +132,82 @@ def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(tiny_model):
         assert res.finish_reason == FinishReason.STOP
         assert res.text == want
         assert len(res.token_ids) == 24
+
+
+class ScriptedModel(torch.nn.Module):
+    """A stand-in model whose greedy next token is a fixed function of the current token
+    (``successor``; token 0 otherwise): the engine, its scheduler and the sampler run as usual
+    while the test decides the output text."""
+
+    def __init__(self, successor: dict[int, int], vocab_size: int) -> None:
+        super().__init__()
+        table = torch.zeros(vocab_size, dtype=torch.int64)
+        for a, b in successor.items():
+            table[a] = b
+        self.register_buffer("table", table)
+        self.vocab_size = vocab_size
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        return input_ids  # [T]: the "hidden state" of a token is the token
+
+    def compute_logits(self, hidden):
+        return torch.nn.functional.one_hot(self.table[hidden], self.vocab_size).float()  # [S, V]
+
+
+def test_stop_strings_of_multi_token_characters(tiny_model):
+    """Byte-level BPE: each "é" is 2 tokens, each emoji 4, so the stop strings "ééé" and "😀😀"
+    span more tokens than their length + 2; they are found, also when completed by the last
+    allowed token, and not when that token leaves a character incomplete."""
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_model("llama", **ARCHS["llama"])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    def chain(*texts: str) -> list[int]:
+        return [t for text in texts for t in ids(text)]
+
+    e_acute, emoji = chain("é"), chain("😀")
+    assert len(e_acute) == 2 and len(emoji) == 4
+    x, h, i, y, o, k = chain("x", "h", "i", "y", "o", "k")
+    successor = {x: h, h: i, i: e_acute[0], e_acute[0]: e_acute[1], e_acute[1]: e_acute[0]}
+    successor |= {y: o, o: k, k: emoji[0], emoji[0]: emoji[1], emoji[1]: emoji[2]}
+    successor |= {emoji[2]: emoji[3], emoji[3]: emoji[0]}
+    # "x" -> "hiéééé..." and "y" -> "ok😀😀😀..."
+    _, info = load_model(model_dir, CPU, torch.float32, make_attention_backend("torch"))
+    cfg = EngineConfig(
+        block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=512
+    )
+    engine = Engine(
+        ScriptedModel(successor, info.vocab_size),
+        info,
+        cfg,
+        device=CPU,
+        dtype=torch.float32,
+        detokenize=lambda t: tok.decode(t, skip_special_tokens=True),
+        check_invariants=True,
+    )
+    cases = {  # row: (prompt's last token, stop, max_tokens) -> (finish reason, text, tokens)
+        0: ((x, "ééé", 40), ("stop", "hi", 8)),
+        1: ((x, "ééé", 8), ("stop", "hi", 8)),  # completed by the last allowed token
+        2: ((x, "ééé", 7), ("length", None, 7)),  # the last "é" is half there
+        3: ((y, "😀😀", 40), ("stop", "ok", 10)),
+        4: ((y, "😀😀", 10), ("stop", "ok", 10)),
+        5: ((x, "zz", 12), ("length", None, 12)),
+        6: ((x, "ié", 12), ("stop", "h", 4)),
+    }
+    for row, ((last, stop, max_tokens), _) in cases.items():
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=(stop,))
+        engine.add(Request((1, last), params, (SampleTarget(row, 0, row),)))
+    out = {}
+    while engine.has_work():
+        out |= {res.target.row: res for res in engine.step()}
+    for row, (_, (reason, text, num_tokens)) in cases.items():
+        res = out[row]
+        assert (res.finish_reason.value, res.text, len(res.token_ids)) == (
+            reason,
+            text,
+            num_tokens,
+        ), row

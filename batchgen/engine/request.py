@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from batchgen.engine.stop import DecodedText
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -97,7 +99,8 @@ class Sequence:
     token_logprobs: list[float] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
-    text: str | None = None
+    decoded: DecodedText = field(default_factory=DecodedText)  # read only for stop strings
+    text: str | None = None  # the output text cut before a matched stop string
 
     @property
     def params(self) -> SamplingParams:

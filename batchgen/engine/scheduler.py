@@ -345,7 +345,9 @@ class Scheduler:
         ):
             return FinishReason.STOP
         if params.stop and self.stop_strings is not None:
-            text = self.stop_strings.match(seq.output_ids, params.stop)
+            text = self.stop_strings.match(
+                seq.decoded, seq.token_ids, seq.num_prompt_tokens, params.stop
+            )
             if text is not None:
                 seq.text = text
                 return FinishReason.STOP
