@@ -211,3 +211,41 @@ def test_stop_strings_of_multi_token_characters(tiny_model):
             text,
             num_tokens,
         ), row
+
+
+@pytest.mark.parametrize("folded", [False, True])
+def test_many_samples_of_one_prompt_respect_max_num_seqs(tiny_model, folded):
+    """One prompt with n=600, or 300 identical rows with n=2 folded into one request, with
+    max_num_seqs=16: no step samples more than 16 rows (counted at the model's logits), every
+    sample is the greedy continuation, and the prompt is computed once plus its last token for
+    each later group of 16 samples."""
+    model = tiny_model("llama", **ARCHS["llama"])
+    prompt = random_prompts([11], seed=7)[0]
+    max_tokens, max_num_seqs = 4, 16
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine = make_engine(model, max_num_seqs=max_num_seqs)
+    sampled_rows = []
+    compute_logits = engine.model.compute_logits
+
+    def counting(hidden):
+        sampled_rows.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    engine.model.compute_logits = counting
+    if folded:
+        targets = [SampleTarget(row, k, rng_key(0, row, k)) for row in range(300) for k in range(2)]
+    else:
+        targets = [SampleTarget(0, k, rng_key(0, 0, k)) for k in range(600)]
+    engine.add(Request(tuple(prompt), params, tuple(targets)))
+    out = []
+    while engine.has_work():
+        out += engine.step()
+    assert sorted((r.target.row, r.target.sample_index) for r in out) == sorted(
+        (t.row, t.sample_index) for t in targets
+    )
+    (expected,) = hf_greedy(model, [prompt], max_tokens)
+    assert all(r.token_ids == expected for r in out)
+    assert max(sampled_rows) == engine.scheduler.peak_num_seqs == max_num_seqs
+    assert sum(sampled_rows) == 600 * max_tokens
+    decoded = 600 * (max_tokens - 1)  # every output token but the last is fed back
+    assert engine.stats.computed_tokens - decoded == len(prompt) + 600 // max_num_seqs

@@ -80,11 +80,16 @@ class SeqStatus(enum.Enum):
 class Sequence:
     """The scheduler's mutable state of one token stream.
 
-    Before its prompt is computed, one sequence stands for all of its request's targets; when the
-    prompt's last chunk is computed it forks into one sequence per target, which share every block
-    (refcounts) until they write into a shared block (copy-on-write). Invariants:
+    Before its prompt is computed, one sequence stands for several targets of its request; when
+    the prompt's last chunk is computed it forks into one sequence per target, which share every
+    block (refcounts) until they write into a shared block (copy-on-write). Invariants:
     ``len(block_table) * block_size >= num_computed``; the first ``num_computed`` tokens' KV is in
     ``block_table``; ``cache_handle`` is the radix node this sequence holds a lock on.
+
+    A request with more targets than free sequence slots is split: the admitted part takes the
+    targets that fit and names the waiting rest (``rest``; the rest ``waits_for`` it); when the
+    part's prompt is computed, the rest is *parked*: it waits holding the KV of all prompt tokens
+    but the last (``num_computed == num_prompt_tokens - 1``), which it computes once admitted.
     """
 
     request: Request
@@ -99,6 +104,8 @@ class Sequence:
     token_logprobs: list[float] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
+    rest: Sequence | None = None  # the waiting rest of this sequence's targets, to be parked
+    waits_for: Sequence | None = None  # the admitted part whose prompt this sequence waits for
     decoded: DecodedText = field(default_factory=DecodedText)  # read only for stop strings
     text: str | None = None  # the output text cut before a matched stop string
 
