@@ -32,10 +32,6 @@ class SamplingParams:
     seed: int = 0
     logprobs: bool = False
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
@@ -70,12 +66,6 @@ class SampleResult:
     text: str | None = None  # set by the engine when stop strings were matched (truncated text)
 
 
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
 @dataclass(eq=False)
 class Sequence:
     """The scheduler's mutable state of one token stream.
@@ -102,7 +92,6 @@ class Sequence:
     num_cached_tokens: int | None = None  # fixed at first admission; see SampleResult
     num_blocks_in_cache: int = 0  # leading blocks already inserted into the radix cache
     token_logprobs: list[float] = field(default_factory=list)
-    status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     rest: Sequence | None = None  # the waiting rest of this sequence's targets, to be parked
     waits_for: Sequence | None = None  # the admitted part whose prompt this sequence waits for

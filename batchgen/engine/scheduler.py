@@ -17,10 +17,10 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.radix_cache import PrefixCache
 from batchgen.engine.request import (
     FinishReason,
     Request,
-    SeqStatus,
     Sequence,
 )
 from batchgen.engine.stop import StopStrings
@@ -82,7 +82,7 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         pool: BlockPool,
-        cache,  # RadixCache or NullCache (same interface)
+        cache: PrefixCache,
         eos_token_ids: SequenceABC[int] = (),
         stop_strings: StopStrings | None = None,
     ) -> None:
@@ -225,7 +225,6 @@ class Scheduler:
             return False
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed
-        seq.status = SeqStatus.RUNNING
         batch.chunks.append(Chunk(seq, seq.num_computed, 1))
         return True
 
@@ -293,7 +292,6 @@ class Scheduler:
         seq.num_blocks_in_cache = len(match.blocks)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = start
-        seq.status = SeqStatus.RUNNING
         batch.chunks.append(Chunk(seq, start, n))
         return True
 
@@ -349,7 +347,6 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -394,7 +391,6 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire a running sequence."""
-        seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
         self._release(seq)
@@ -420,7 +416,6 @@ class Scheduler:
                     # Only the first sample is charged for computing the prompt.
                     num_cached_tokens=seq.num_prompt_tokens,
                     num_blocks_in_cache=seq.num_blocks_in_cache,
-                    status=SeqStatus.RUNNING,
                 )
             )
         seq.targets = seq.targets[:1]
