@@ -51,6 +51,7 @@ class FakeRunner:
     def step(self):
         batch = self.sched.schedule()
         assert batch, "empty batch with work left"
+        self.sched.check(batch)
         self.copies_per_step.append(len(batch.copies))
         for src, dst in batch.copies:
             self.kv[dst * self.bs : (dst + 1) * self.bs] = self.kv[
@@ -274,3 +275,25 @@ def test_forks_never_exceed_max_num_seqs_and_the_prompt_is_computed_once(caching
     decoded = sum(len(s.output_ids) - 1 for s in results.values())  # the last token is not fed
     groups = -(-600 // max_num_seqs)
     assert runner.computed_tokens - decoded == len(prompt) + (groups - 1)
+
+
+def test_check_rejects_block_copies_that_cannot_run_as_one_set():
+    """check(batch) after schedule: a copy destination written twice, or also read as a source,
+    would make the result depend on the order of the copies."""
+    bs = 4
+    params = SamplingParams(n=3, max_tokens=3, ignore_eos=True)
+    req = Request(tuple(range(1, 7)), params, tuple(SampleTarget(0, k, k) for k in range(3)))
+    pool = BlockPool(32)
+    sched = Scheduler(SchedulerConfig(bs, 8, 64, 1000), pool, RadixCache(pool, bs))
+    runner = FakeRunner(sched, 32, bs)
+    sched.add(req)
+    runner.step()  # prefill and fork: the three share the partial block
+    batch = sched.schedule()
+    assert len(batch.copies) == 2  # two copy on write, the third writes in place
+    sched.check(batch)
+    (src, dst), (_, dst2) = batch.copies
+    for bad in ([(src, dst), (src, dst)], [(src, dst), (dst, dst2)]):
+        good, batch.copies = batch.copies, bad
+        with pytest.raises(AssertionError, match="copied into twice|also a source"):
+            sched.check(batch)
+        batch.copies = good

@@ -58,7 +58,7 @@ class Engine:
         check_invariants: bool = False,
     ) -> None:
         """``detokenize`` is needed only for stop strings; ``check_invariants`` runs the block
-        accounting checks after every step (tests)."""
+        accounting checks after every schedule and update (tests)."""
         self.model = model
         self.config = config
         self.device = device
@@ -108,6 +108,8 @@ class Engine:
     def step(self) -> list[SampleResult]:
         batch = self.scheduler.schedule()
         assert batch, "scheduler produced an empty batch while work remains"
+        if self.check_invariants:
+            self.scheduler.check(batch)
         if batch.copies:
             src, dst = zip(*batch.copies, strict=True)
             self.copy_blocks(

@@ -56,14 +56,32 @@ class Chunk:
 class Batch:
     chunks: list[Chunk] = field(default_factory=list)
     # (src, dst) block copies to perform before the forward pass (copy-on-write, and the head of
-    # a cached block that a new sequence's prompt shares in part).
+    # a cached block that a new sequence's prompt shares in part), in any order: destinations
+    # are distinct and none is a source (Scheduler.check).
     copies: list[tuple[int, int]] = field(default_factory=list)
-    # copy sources referenced by the batch until it has run (``update`` drops the references)
+    # One pool reference per copy source, held by the batch until it has run (``update`` drops
+    # them): no source is freed, and so reused as a destination, while the batch is scheduled.
     held: list[int] = field(default_factory=list)
+    _holds: dict[int, int] = field(default_factory=dict, repr=False)  # block -> count in held
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+    def hold(self, block: int) -> None:
+        """Record that the batch now holds a pool reference to ``block`` (taken by the caller)."""
+        self.held.append(block)
+        self._holds[block] = self._holds.get(block, 0) + 1
+
+    def holds(self, block: int) -> int:
+        """How many references to ``block`` the batch holds."""
+        return self._holds.get(block, 0)
+
+    def release_held(self) -> list[int]:
+        """Forget the references the batch holds and return them, for the caller to drop."""
+        held, self.held = self.held, []
+        self._holds.clear()
+        return held
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -285,7 +303,7 @@ class Scheduler:
         own = self.pool.allocate(need)
         if source is not None:
             batch.copies.append((source, own[0]))
-            batch.held.append(source)
+            batch.hold(source)
         seq.block_table = list(match.blocks) + own
         seq.cache_handle = match.handle
         seq.num_computed = start
@@ -313,15 +331,17 @@ class Scheduler:
         bs = self.config.block_size
         start = seq.num_computed
         need = -(-(start + n) // bs) - len(seq.block_table)
-        cow = start % bs != 0 and self.pool.refcount(seq.block_table[start // bs]) > 1
+        idx = start // bs
+        # Shared with another holder than the batch's copies: write into a private copy.
+        cow = start % bs != 0 and (
+            self.pool.refcount(seq.block_table[idx]) - batch.holds(seq.block_table[idx]) > 1
+        )
         if not self._make_free(need + cow + extra, keep):
             return False
         if cow:
-            # The block being appended to is shared with a fork: write into a private copy.
-            idx = start // bs
             (copy,) = self.pool.allocate(1)
             batch.copies.append((seq.block_table[idx], copy))
-            self.pool.decref([seq.block_table[idx]])
+            batch.hold(seq.block_table[idx])  # the sequence's reference passes to the batch
             seq.block_table[idx] = copy
         if need > 0:
             seq.block_table.extend(self.pool.allocate(need))
@@ -365,8 +385,7 @@ class Scheduler:
         ``draws`` has one list per sampling chunk of ``batch`` (in order), with one Draw per
         target of that chunk's sequence.
         """
-        self.pool.decref(batch.held)  # the copies have run
-        batch.held = []
+        self.pool.decref(batch.release_held())  # the copies have run
         finished: list[Sequence] = []
         sampled = iter(draws)
         for chunk in batch.chunks:
@@ -460,14 +479,29 @@ class Scheduler:
 
     # -- invariants --------------------------------------------------------------------------------
 
-    def check(self) -> None:
-        """Assert that every block is accounted for: free, owned by the cache, or held by a
-        running sequence, with refcounts equal to the number of holders."""
+    def check(self, batch: Batch | None = None) -> None:
+        """Assert that every block is accounted for: free, owned by the cache, held by a running
+        or parked sequence, or by ``batch`` (the batch scheduled last, until ``update``), with
+        refcounts equal to the number of holders; and the batch's block copies can run as one
+        unordered set (destinations distinct, none of them a source, every source held).
+
+        Call it after ``update``, or after ``schedule`` with the batch it returned.
+        """
         self.pool.check()
         self.cache.check()
         holders = [0] * self.pool.num_blocks
         for b in self.cache.owned_blocks():
             holders[b] += 1
+        if batch is not None:
+            sources = [src for src, _ in batch.copies]
+            dests = [dst for _, dst in batch.copies]
+            assert len(set(dests)) == len(dests), f"a block is copied into twice: {dests}"
+            assert not set(dests) & set(sources), f"copy destination also a source: {dests}"
+            assert set(sources) <= set(batch.held), "a copy source is not held by the batch"
+            running = {id(seq) for seq in self.running}
+            assert all(id(c.seq) in running for c in batch.chunks)
+            for b in batch.held:
+                holders[b] += 1
         for seq in self.running:
             bs = self.config.block_size
             assert len(seq.block_table) * bs >= seq.num_computed
