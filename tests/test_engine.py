@@ -249,3 +249,16 @@ def test_many_samples_of_one_prompt_respect_max_num_seqs(tiny_model, folded):
     assert sum(sampled_rows) == 600 * max_tokens
     decoded = 600 * (max_tokens - 1)  # every output token but the last is fed back
     assert engine.stats.computed_tokens - decoded == len(prompt) + 600 // max_num_seqs
+
+
+def test_engine_gives_the_sampler_the_c_kernels_on_a_cpu(tiny_model):
+    from batchgen.engine.sampler import TORCH_FORMULA
+    from batchgen.model import cpu_kernels
+
+    engine = make_engine(tiny_model("llama", **ARCHS["llama"]))
+    native = cpu_kernels.load()
+    if native is None:
+        assert engine.sampler_kernels == TORCH_FORMULA
+    else:
+        assert engine.sampler_kernels.race_draw == native.race_draw
+        assert engine.sampler_kernels.uniform_noise == native.uniform_noise

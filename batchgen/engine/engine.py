@@ -11,9 +11,10 @@ from batchgen.engine.batch import build_step
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import Request, SampleResult, Sequence
-from batchgen.engine.sampler import SamplingBatch, sample
+from batchgen.engine.sampler import TORCH_FORMULA, SamplerKernels, SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
 from batchgen.engine.stop import StopStrings
+from batchgen.model import cpu_kernels
 from batchgen.model.loader import ModelInfo
 
 
@@ -55,15 +56,21 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         detokenize: Callable[[list[int]], str] | None = None,
+        sampler_kernels: SamplerKernels | None = None,
         check_invariants: bool = False,
     ) -> None:
-        """``detokenize`` is needed only for stop strings; ``check_invariants`` runs the block
-        accounting checks after every schedule and update (tests)."""
+        """``detokenize`` is needed only for stop strings; ``sampler_kernels`` are the sampler's
+        native kernels (default: the C kernels on a CPU when they can be built, else the PyTorch
+        formula); ``check_invariants`` runs the block accounting checks after every schedule and
+        update (tests)."""
         self.model = model
         self.config = config
         self.device = device
         self.vocab_size = info.vocab_size
         self.check_invariants = check_invariants
+        self.sampler_kernels = (
+            sampler_kernels if sampler_kernels is not None else _default_sampler_kernels(device)
+        )
         self.copy_blocks = _copy_blocks_fn(config.attention_backend)
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
         # the torch path must see finite values.
@@ -153,7 +160,7 @@ class Engine:
             params, keys, positions, prompt_ids, output_ids, self.vocab_size, logits.device
         )
         want_logprobs = any(p.logprobs for p in params)
-        out = sample(logits, rows, logprobs=want_logprobs)
+        out = sample(logits, rows, logprobs=want_logprobs, kernels=self.sampler_kernels)
         tokens = out.tokens.tolist()
         # Draw.logprob is read only for samples that asked for logprobs
         logprobs = out.logprobs.tolist() if out.logprobs is not None else [0.0] * len(tokens)
@@ -192,6 +199,14 @@ class Engine:
             token_logprobs=list(seq.token_logprobs) if seq.params.logprobs else None,
             text=seq.text,
         )
+
+
+def _default_sampler_kernels(device: torch.device) -> SamplerKernels:
+    """The C kernels' noise and plain draw on a CPU when they can be built."""
+    native = cpu_kernels.load() if device.type == "cpu" else None
+    if native is None:
+        return TORCH_FORMULA
+    return SamplerKernels(uniform_noise=native.uniform_noise, race_draw=native.race_draw)
 
 
 def _copy_blocks_fn(backend: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
