@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchgen.engine.engine import Engine, EngineConfig
-from batchgen.engine.request import Request, SampleTarget, SamplingParams
+from batchgen.engine.request import FinishReason, Request, SampleTarget, SamplingParams
 from batchgen.engine.sampler import rng_key
 from batchgen.model.attention import make_attention_backend
 from batchgen.model.loader import load_model
@@ -18,7 +18,7 @@ from tests.test_e2e import ARCHS, hf_greedy
 CPU = torch.device("cpu")
 
 
-def make_engine(model_dir, backend="torch", **overrides) -> Engine:
+def make_engine(model_dir, backend="torch", detokenize=None, **overrides) -> Engine:
     model, info = load_model(model_dir, CPU, torch.float32, make_attention_backend(backend))
     cfg = dict(
         block_size=4,
@@ -31,7 +31,13 @@ def make_engine(model_dir, backend="torch", **overrides) -> Engine:
     )
     cfg.update(overrides)
     return Engine(
-        model, info, EngineConfig(**cfg), device=CPU, dtype=torch.float32, check_invariants=True
+        model,
+        info,
+        EngineConfig(**cfg),
+        device=CPU,
+        dtype=torch.float32,
+        detokenize=detokenize,
+        check_invariants=True,
     )
 
 
@@ -95,3 +101,164 @@ def test_triton_backend_matches_torch(tiny_model, sampling):
     assert {k: r.num_cached_tokens for k, r in got.items()} == {
         k: r.num_cached_tokens for k, r in want.items()
     }
+
+
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(tiny_model):
+    """max_tokens 24 and the text of the 24th token as the stop string: the sample ends with
+    ``stop`` and its text is cut right before the stop string (not ``length`` with it kept)."""
+    from transformers import AutoTokenizer
+
+    model = tiny_model("llama", **ARCHS["llama"])
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = random_prompts([5, 9, 12, 17, 20, 23], seed=6)
+    outs = generate(make_engine(model), prompts, plain)
+    # rows whose last token has text that occurs nowhere earlier in the output text
+    cases = []
+    for row, prompt in enumerate(prompts):
+        ids = outs[(row, 0)].token_ids
+        stop, text = decode(ids[-1:]), decode(ids)
+        if stop.strip() and text.find(stop) == len(text) - len(stop):
+            cases.append((prompt, stop, text[: -len(stop)]))
+    assert cases, "no prompt whose last token's text is new"
+    for prompt, stop, want in cases:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=(stop,))
+        engine = make_engine(model, detokenize=decode)
+        (res,) = generate(engine, [prompt], params).values()
+        assert res.finish_reason == FinishReason.STOP
+        assert res.text == want
+        assert len(res.token_ids) == 24
+
+
+class ScriptedModel(torch.nn.Module):
+    """A stand-in model whose greedy next token is a fixed function of the current token
+    (``successor``; token 0 otherwise): the engine, its scheduler and the sampler run as usual
+    while the test decides the output text."""
+
+    def __init__(self, successor: dict[int, int], vocab_size: int) -> None:
+        super().__init__()
+        table = torch.zeros(vocab_size, dtype=torch.int64)
+        for a, b in successor.items():
+            table[a] = b
+        self.register_buffer("table", table)
+        self.vocab_size = vocab_size
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        return input_ids  # [T]: the "hidden state" of a token is the token
+
+    def compute_logits(self, hidden):
+        return torch.nn.functional.one_hot(self.table[hidden], self.vocab_size).float()  # [S, V]
+
+
+def test_stop_strings_of_multi_token_characters(tiny_model):
+    """Byte-level BPE: each "é" is 2 tokens, each emoji 4, so the stop strings "ééé" and "😀😀"
+    span more tokens than their length + 2; they are found, also when completed by the last
+    allowed token, and not when that token leaves a character incomplete."""
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_model("llama", **ARCHS["llama"])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    def chain(*texts: str) -> list[int]:
+        return [t for text in texts for t in ids(text)]
+
+    e_acute, emoji = chain("é"), chain("😀")
+    assert len(e_acute) == 2 and len(emoji) == 4
+    x, h, i, y, o, k = chain("x", "h", "i", "y", "o", "k")
+    successor = {x: h, h: i, i: e_acute[0], e_acute[0]: e_acute[1], e_acute[1]: e_acute[0]}
+    successor |= {y: o, o: k, k: emoji[0], emoji[0]: emoji[1], emoji[1]: emoji[2]}
+    successor |= {emoji[2]: emoji[3], emoji[3]: emoji[0]}
+    # "x" -> "hiéééé..." and "y" -> "ok😀😀😀..."
+    _, info = load_model(model_dir, CPU, torch.float32, make_attention_backend("torch"))
+    cfg = EngineConfig(
+        block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=512
+    )
+    engine = Engine(
+        ScriptedModel(successor, info.vocab_size),
+        info,
+        cfg,
+        device=CPU,
+        dtype=torch.float32,
+        detokenize=lambda t: tok.decode(t, skip_special_tokens=True),
+        check_invariants=True,
+    )
+    cases = {  # row: (prompt's last token, stop, max_tokens) -> (finish reason, text, tokens)
+        0: ((x, "ééé", 40), ("stop", "hi", 8)),
+        1: ((x, "ééé", 8), ("stop", "hi", 8)),  # completed by the last allowed token
+        2: ((x, "ééé", 7), ("length", None, 7)),  # the last "é" is half there
+        3: ((y, "😀😀", 40), ("stop", "ok", 10)),
+        4: ((y, "😀😀", 10), ("stop", "ok", 10)),
+        5: ((x, "zz", 12), ("length", None, 12)),
+        6: ((x, "ié", 12), ("stop", "h", 4)),
+    }
+    for row, ((last, stop, max_tokens), _) in cases.items():
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=(stop,))
+        engine.add(Request((1, last), params, (SampleTarget(row, 0, row),)))
+    out = {}
+    while engine.has_work():
+        out |= {res.target.row: res for res in engine.step()}
+    for row, (_, (reason, text, num_tokens)) in cases.items():
+        res = out[row]
+        assert (res.finish_reason.value, res.text, len(res.token_ids)) == (
+            reason,
+            text,
+            num_tokens,
+        ), row
+
+
+@pytest.mark.parametrize("folded", [False, True])
+def test_many_samples_of_one_prompt_respect_max_num_seqs(tiny_model, folded):
+    """One prompt with n=600, or 300 identical rows with n=2 folded into one request, with
+    max_num_seqs=16: no step samples more than 16 rows (counted at the model's logits), every
+    sample is the greedy continuation, and the prompt is computed once plus its last token for
+    each later group of 16 samples."""
+    model = tiny_model("llama", **ARCHS["llama"])
+    prompt = random_prompts([11], seed=7)[0]
+    max_tokens, max_num_seqs = 4, 16
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine = make_engine(model, max_num_seqs=max_num_seqs)
+    sampled_rows = []
+    compute_logits = engine.model.compute_logits
+
+    def counting(hidden):
+        sampled_rows.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    engine.model.compute_logits = counting
+    if folded:
+        targets = [SampleTarget(row, k, rng_key(0, row, k)) for row in range(300) for k in range(2)]
+    else:
+        targets = [SampleTarget(0, k, rng_key(0, 0, k)) for k in range(600)]
+    engine.add(Request(tuple(prompt), params, tuple(targets)))
+    out = []
+    while engine.has_work():
+        out += engine.step()
+    assert sorted((r.target.row, r.target.sample_index) for r in out) == sorted(
+        (t.row, t.sample_index) for t in targets
+    )
+    (expected,) = hf_greedy(model, [prompt], max_tokens)
+    assert all(r.token_ids == expected for r in out)
+    assert max(sampled_rows) == engine.scheduler.peak_num_seqs == max_num_seqs
+    assert sum(sampled_rows) == 600 * max_tokens
+    decoded = 600 * (max_tokens - 1)  # every output token but the last is fed back
+    assert engine.stats.computed_tokens - decoded == len(prompt) + 600 // max_num_seqs
+
+
+def test_engine_gives_the_sampler_the_c_kernels_on_a_cpu(tiny_model):
+    from batchgen.engine.sampler import TORCH_FORMULA
+    from batchgen.model import cpu_kernels
+
+    engine = make_engine(tiny_model("llama", **ARCHS["llama"]))
+    native = cpu_kernels.load()
+    if native is None:
+        assert engine.sampler_kernels == TORCH_FORMULA
+    else:
+        assert engine.sampler_kernels.race_draw == native.race_draw
+        assert engine.sampler_kernels.uniform_noise == native.uniform_noise

@@ -12,6 +12,7 @@ import torch
 
 from batchgen.engine.request import SamplingParams
 from batchgen.engine.sampler import (
+    SamplerKernels,
     SamplingBatch,
     _mix64,
     _uniform_at,
@@ -485,3 +486,31 @@ def test_cuda_matches_cpu() -> None:
     # Softmax and log1p may differ in the last bit between devices: allow rare near-tie flips.
     assert (cpu.tokens == gpu.tokens.cpu()).float().mean() >= 0.95
     assert torch.allclose(cpu.logprobs, gpu.logprobs.cpu(), atol=1e-4)
+
+
+def test_native_kernels_are_passed_in_and_the_module_imports_no_model_code() -> None:
+    """sample() uses the kernels it is given (none by default: the PyTorch formula); the sampler
+    module does not pick them itself from batchgen.model."""
+    code = "import sys, batchgen.engine.sampler; print([m for m in sys.modules if 'model' in m])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "batchgen.model" not in out.stdout
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    calls = {"noise": 0, "race": 0}
+
+    def constant_noise(state: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+        calls["noise"] += 1
+        return torch.full((state.shape[0], k), 0.5)  # equal noise: the race picks the top token
+
+    def race_seven(logits: torch.Tensor, temperature: torch.Tensor, state: torch.Tensor):
+        calls["race"] += 1
+        return torch.full((logits.shape[0],), 7, dtype=torch.int64)
+
+    kernels = SamplerKernels(uniform_noise=constant_noise, race_draw=race_seven)
+    plain = make_batch([PLAIN] * 6, 50)
+    assert sample(logits, plain, kernels=kernels).tokens.tolist() == [7] * 6
+    assert sample(logits, plain).tokens.tolist() != [7] * 6
+    top_k = make_batch([SamplingParams(temperature=1.0, top_k=5)] * 6, 50)
+    assert torch.equal(sample(logits, top_k, kernels=kernels).tokens, logits.argmax(dim=-1))
+    assert calls == {"noise": 1, "race": 1}

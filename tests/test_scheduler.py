@@ -46,10 +46,12 @@ class FakeRunner:
         self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.computed_tokens = 0
         self.copies_per_step: list[int] = []
+        self.sampled_per_step: list[int] = []
 
     def step(self):
         batch = self.sched.schedule()
         assert batch, "empty batch with work left"
+        self.sched.check(batch)
         self.copies_per_step.append(len(batch.copies))
         for src, dst in batch.copies:
             self.kv[dst * self.bs : (dst + 1) * self.bs] = self.kv[
@@ -72,6 +74,7 @@ class FakeRunner:
                 draws.append(
                     [Draw(next_token(tuple(context), t.rng_key), 0.0) for t in seq.targets]
                 )
+        self.sampled_per_step.append(sum(map(len, draws)))
         finished = self.sched.update(batch, draws)
         self.sched.check()
         return finished
@@ -134,7 +137,7 @@ def check_against_reference(reqs, results, max_len=10_000):
 
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("num_blocks", [12, 40, 400])
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [1, 3, 11])
 def test_results_match_reference_under_any_memory(caching, num_blocks, n):
     rng = random.Random(num_blocks * 10 + n)
     prefixes = [
@@ -246,3 +249,51 @@ def test_partial_copy_is_dropped_when_its_source_is_the_room_needed():
     assert results[(1, 0)].num_cached_tokens == 4
     cache.evict(8)
     assert pool.num_free == 8
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("folded", [False, True])
+def test_forks_never_exceed_max_num_seqs_and_the_prompt_is_computed_once(caching, folded):
+    """One prompt with n=600, or 300 identical rows with n=2 folded into one request, under
+    max_num_seqs=16: no step samples more than 16 sequences, every sample gets its tokens, and
+    the prompt is computed once plus one token (its last, whose logits are needed) for each
+    later group of samples, with or without the prefix cache."""
+    bs, max_num_seqs, max_tokens = 4, 16, 5
+    prompt = tuple(range(1, 11))  # 10 tokens: 2 full blocks and a partial one
+    params = SamplingParams(n=2 if folded else 600, max_tokens=max_tokens, ignore_eos=True)
+    if folded:
+        targets = [SampleTarget(row, k, row * 10 + k) for row in range(300) for k in range(2)]
+    else:
+        targets = [SampleTarget(0, k, k) for k in range(600)]
+    req = Request(prompt, params, tuple(targets))
+    results, sched, runner = run_all(
+        [req], num_blocks=64, block_size=bs, max_num_seqs=max_num_seqs, caching=caching
+    )
+    check_against_reference([req], results)
+    assert len(results) == 600
+    assert max(runner.sampled_per_step) == sched.peak_num_seqs == max_num_seqs
+    decoded = sum(len(s.output_ids) - 1 for s in results.values())  # the last token is not fed
+    groups = -(-600 // max_num_seqs)
+    assert runner.computed_tokens - decoded == len(prompt) + (groups - 1)
+
+
+def test_check_rejects_block_copies_that_cannot_run_as_one_set():
+    """check(batch) after schedule: a copy destination written twice, or also read as a source,
+    would make the result depend on the order of the copies."""
+    bs = 4
+    params = SamplingParams(n=3, max_tokens=3, ignore_eos=True)
+    req = Request(tuple(range(1, 7)), params, tuple(SampleTarget(0, k, k) for k in range(3)))
+    pool = BlockPool(32)
+    sched = Scheduler(SchedulerConfig(bs, 8, 64, 1000), pool, RadixCache(pool, bs))
+    runner = FakeRunner(sched, 32, bs)
+    sched.add(req)
+    runner.step()  # prefill and fork: the three share the partial block
+    batch = sched.schedule()
+    assert len(batch.copies) == 2  # two copy on write, the third writes in place
+    sched.check(batch)
+    (src, dst), (_, dst2) = batch.copies
+    for bad in ([(src, dst), (src, dst)], [(src, dst), (dst, dst2)]):
+        good, batch.copies = batch.copies, bad
+        with pytest.raises(AssertionError, match="copied into twice|also a source"):
+            sched.check(batch)
+        batch.copies = good

@@ -10,9 +10,11 @@ import torch
 from batchgen.engine.batch import build_step
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.radix_cache import make_prefix_cache
-from batchgen.engine.request import FinishReason, Request, SampleResult, Sequence
-from batchgen.engine.sampler import SamplingBatch, sample
+from batchgen.engine.request import Request, SampleResult, Sequence
+from batchgen.engine.sampler import TORCH_FORMULA, SamplerKernels, SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
+from batchgen.engine.stop import StopStrings
+from batchgen.model import cpu_kernels
 from batchgen.model.config import ModelInfo
 
 
@@ -54,16 +56,21 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         detokenize: Callable[[list[int]], str] | None = None,
+        sampler_kernels: SamplerKernels | None = None,
         check_invariants: bool = False,
     ) -> None:
-        """``detokenize`` is needed only for stop strings; ``check_invariants`` runs the block
-        accounting checks after every step (tests)."""
+        """``detokenize`` is needed only for stop strings; ``sampler_kernels`` are the sampler's
+        native kernels (default: the C kernels on a CPU when they can be built, else the PyTorch
+        formula); ``check_invariants`` runs the block accounting checks after every schedule and
+        update (tests)."""
         self.model = model
         self.config = config
         self.device = device
         self.vocab_size = info.vocab_size
-        self.detokenize = detokenize
         self.check_invariants = check_invariants
+        self.sampler_kernels = (
+            sampler_kernels if sampler_kernels is not None else _default_sampler_kernels(device)
+        )
         self.copy_blocks = _copy_blocks_fn(config.attention_backend)
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
         # the torch path must see finite values.
@@ -90,6 +97,7 @@ class Engine:
             self.pool,
             cache,
             info.eos_token_ids,
+            StopStrings(detokenize) if detokenize is not None else None,
         )
         self.stats = EngineStats()
 
@@ -107,6 +115,8 @@ class Engine:
     def step(self) -> list[SampleResult]:
         batch = self.scheduler.schedule()
         assert batch, "scheduler produced an empty batch while work remains"
+        if self.check_invariants:
+            self.scheduler.check(batch)
         if batch.copies:
             src, dst = zip(*batch.copies, strict=True)
             self.copy_blocks(
@@ -125,7 +135,6 @@ class Engine:
             self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         self._account(batch)
         finished = self.scheduler.update(batch, draws)
-        finished += self._check_stop_strings(batch)
         if self.check_invariants:
             self.scheduler.check()
         return [self._result(seq) for seq in finished]
@@ -151,7 +160,7 @@ class Engine:
             params, keys, positions, prompt_ids, output_ids, self.vocab_size, logits.device
         )
         want_logprobs = any(p.logprobs for p in params)
-        out = sample(logits, rows, logprobs=want_logprobs)
+        out = sample(logits, rows, logprobs=want_logprobs, kernels=self.sampler_kernels)
         tokens = out.tokens.tolist()
         # Draw.logprob is read only for samples that asked for logprobs
         logprobs = out.logprobs.tolist() if out.logprobs is not None else [0.0] * len(tokens)
@@ -168,32 +177,6 @@ class Engine:
                 )
                 i += k
         return draws
-
-    def _check_stop_strings(self, batch: Batch) -> list[Sequence]:
-        """Finish sequences whose output text now contains a stop string (matched across token
-        boundaries); their text is cut before the earliest match.
-
-        A new match must involve the newest token (older text was checked in earlier steps), so
-        only the last few tokens are decoded each step; the full text is decoded on a hit.
-        """
-        if self.detokenize is None:
-            return []
-        finished = []
-        for seq in list(self.scheduler.running):
-            stops = seq.params.stop
-            if not stops or seq.num_output_tokens == 0:
-                continue
-            tail = self.detokenize(seq.output_ids[-(max(map(len, stops)) + 2) :])
-            if not any(s in tail for s in stops):
-                continue
-            text = self.detokenize(seq.output_ids)
-            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-            if not hits:
-                continue
-            seq.text = text[: min(hits)]
-            self.scheduler.finish(seq, FinishReason.STOP)
-            finished.append(seq)
-        return finished
 
     def _account(self, batch: Batch) -> None:
         bs = self.config.block_size
@@ -216,6 +199,14 @@ class Engine:
             token_logprobs=list(seq.token_logprobs) if seq.params.logprobs else None,
             text=seq.text,
         )
+
+
+def _default_sampler_kernels(device: torch.device) -> SamplerKernels:
+    """The C kernels' noise and plain draw on a CPU when they can be built."""
+    native = cpu_kernels.load() if device.type == "cpu" else None
+    if native is None:
+        return TORCH_FORMULA
+    return SamplerKernels(uniform_noise=native.uniform_noise, race_draw=native.race_draw)
 
 
 def _copy_blocks_fn(backend: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from batchgen.engine.stop import DecodedText
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,10 +31,6 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int = 0
     logprobs: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 class FinishReason(str, enum.Enum):
@@ -68,21 +66,20 @@ class SampleResult:
     text: str | None = None  # set by the engine when stop strings were matched (truncated text)
 
 
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
 @dataclass(eq=False)
 class Sequence:
     """The scheduler's mutable state of one token stream.
 
-    Before its prompt is computed, one sequence stands for all of its request's targets; when the
-    prompt's last chunk is computed it forks into one sequence per target, which share every block
-    (refcounts) until they write into a shared block (copy-on-write). Invariants:
+    Before its prompt is computed, one sequence stands for several targets of its request; when
+    the prompt's last chunk is computed it forks into one sequence per target, which share every
+    block (refcounts) until they write into a shared block (copy-on-write). Invariants:
     ``len(block_table) * block_size >= num_computed``; the first ``num_computed`` tokens' KV is in
     ``block_table``; ``cache_handle`` is the radix node this sequence holds a lock on.
+
+    A request with more targets than free sequence slots is split: the admitted part takes the
+    targets that fit and names the waiting rest (``rest``; the rest ``waits_for`` it); when the
+    part's prompt is computed, the rest is *parked*: it waits holding the KV of all prompt tokens
+    but the last (``num_computed == num_prompt_tokens - 1``), which it computes once admitted.
     """
 
     request: Request
@@ -95,9 +92,11 @@ class Sequence:
     num_cached_tokens: int | None = None  # fixed at first admission; see SampleResult
     num_blocks_in_cache: int = 0  # leading blocks already inserted into the radix cache
     token_logprobs: list[float] = field(default_factory=list)
-    status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
-    text: str | None = None
+    rest: Sequence | None = None  # the waiting rest of this sequence's targets, to be parked
+    waits_for: Sequence | None = None  # the admitted part whose prompt this sequence waits for
+    decoded: DecodedText = field(default_factory=DecodedText)  # read only for stop strings
+    text: str | None = None  # the output text cut before a matched stop string
 
     @property
     def params(self) -> SamplingParams:

@@ -30,14 +30,13 @@ import itertools
 import json
 import operator
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from batchgen.engine.request import SamplingParams
-from batchgen.model import cpu_kernels
 
 # ---------------------------------------------------------------------------------------------
 # Stream keys
@@ -69,6 +68,30 @@ def rng_key(seed: int, row_id: int | str, sample_index: int) -> int:
     digest = hashlib.blake2b(payload.encode("ascii"), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _MASK63
 
+
+# ---------------------------------------------------------------------------------------------
+# Native kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplerKernels:
+    """Native versions of the sampler's two hot loops, passed in by the caller (the engine picks
+    the C kernels on CPU); a None field keeps the PyTorch formula. Both are called on CPU tensors
+    only and must match the formula: the noise bit for bit, the draw up to float rounding in
+    near-ties.
+
+    - ``uniform_noise(state, ids, k)``: row states ``[S]`` int64 (``_row_state``), vocab ids
+      ``[S, k]`` or ``[1, k]`` int64 with contiguous rows -> ``[S, k]`` float32, ``_uniform_at``;
+    - ``race_draw(logits, temperature, state)``: ``[S, V]`` float32 logits with contiguous rows,
+      ``[S]`` float32 temperatures, ``[S]`` int64 row states -> ``[S]`` int64, ``_draw_plain``.
+    """
+
+    uniform_noise: Callable[[Tensor, Tensor, int], Tensor] | None = None
+    race_draw: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
+
+
+TORCH_FORMULA = SamplerKernels()  # no native kernels: the PyTorch formula everywhere
 
 # ---------------------------------------------------------------------------------------------
 # Counter-based noise (splitmix64 on int64 tensors)
@@ -120,7 +143,9 @@ def _row_state(rng_key: Tensor, position: Tensor) -> Tensor:
     return _mix64(_mix64(rng_key) + position * _GAMMA)
 
 
-def _uniform_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
+def _uniform_at(
+    rng_key: Tensor, position: Tensor, ids: Tensor, kernels: SamplerKernels = TORCH_FORMULA
+) -> Tensor:
     """Uniform noise for the given vocab ids: [S, K] float32 in (0, 1).
 
     rng_key, position: [S] int64. ids: [S, K] or [1, K] int64 vocab ids. The value at (r, j)
@@ -128,9 +153,9 @@ def _uniform_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
     vocabulary equals the same permutation of the noise over the whole vocabulary.
     """
     state = _row_state(rng_key, position)  # [S]
-    if state.device.type == "cpu" and (native := cpu_kernels.load()) is not None:
-        # the same bits from the C kernel, in one pass instead of about twenty
-        return native.uniform_noise(state, ids.contiguous(), ids.shape[1])
+    if state.device.type == "cpu" and kernels.uniform_noise is not None:
+        # the same bits from a native kernel, in one pass instead of about twenty
+        return kernels.uniform_noise(state, ids.contiguous(), ids.shape[1])
     z = (ids + 1) * _GAMMA + state[:, None]  # [S, K] int64, a splitmix64 counter per vocab id
     tmp = torch.empty_like(z)
     _mix64_(z, tmp)
@@ -147,23 +172,27 @@ def _uniform_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
     return u.clamp_(2.0**-49, 1.0 - 2.0**-24)
 
 
-def uniform_noise(rng_key: Tensor, position: Tensor, vocab_size: int) -> Tensor:
+def uniform_noise(
+    rng_key: Tensor, position: Tensor, vocab_size: int, kernels: SamplerKernels = TORCH_FORMULA
+) -> Tensor:
     """Uniform noise over the whole vocabulary: [S, V] float32, values strictly in (0, 1).
 
     rng_key, position: [S] int64. Row r depends only on (rng_key[r], position[r]) and the vocab
     index, never on the other rows: batch-invariant and reproducible across processes.
     """
     ids = torch.arange(vocab_size, dtype=torch.int64, device=rng_key.device)[None, :]  # [1, V]
-    return _uniform_at(rng_key, position, ids)
+    return _uniform_at(rng_key, position, ids, kernels)
 
 
-def _exponential_at(rng_key: Tensor, position: Tensor, ids: Tensor) -> Tensor:
+def _exponential_at(
+    rng_key: Tensor, position: Tensor, ids: Tensor, kernels: SamplerKernels
+) -> Tensor:
     """Exp(1) variates for the given vocab ids, [S, K] float32 (positive, finite).
 
     ``E = -log(1 - u)``: the same law as ``-log(u)``, but small ``E`` (the winners of the race)
     come from small ``u``, where float32 has the most precision.
     """
-    return _uniform_at(rng_key, position, ids).neg_().log1p_().neg_()
+    return _uniform_at(rng_key, position, ids, kernels).neg_().log1p_().neg_()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,20 +420,26 @@ _ID_BITS = 31  # vocab ids (and vocab sizes) below 2**31
 _ID_MASK = (1 << _ID_BITS) - 1
 
 
-def _draw_plain(logits: Tensor, temperature: Tensor, rng_key: Tensor, position: Tensor) -> Tensor:
+def _draw_plain(
+    logits: Tensor,
+    temperature: Tensor,
+    rng_key: Tensor,
+    position: Tensor,
+    kernels: SamplerKernels,
+) -> Tensor:
     """Draw from softmax(logits / temperature) over the whole vocabulary: [R, V] -> [R] int64."""
     if (
         logits.device.type == "cpu"
         and logits.dtype == torch.float32
-        and (native := cpu_kernels.load()) is not None
+        and kernels.race_draw is not None
     ):
-        # One fused pass in C: the same race on unnormalised weights exp(s - max s) (the argmax
-        # is scale-invariant), so it picks the same token up to float rounding in near-ties.
+        # One fused native pass: the same race on unnormalised weights exp(s - max s) (the
+        # argmax is scale-invariant), so it picks the same token up to float rounding in ties.
         state = _row_state(rng_key, position)  # [R]
-        return native.race_draw(logits.contiguous(), temperature.contiguous(), state)
+        return kernels.race_draw(logits.contiguous(), temperature.contiguous(), state)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)  # [R, V]
     ids = torch.arange(logits.shape[1], dtype=torch.int64, device=logits.device)[None, :]  # [1, V]
-    return probs.div_(_exponential_at(rng_key, position, ids)).argmax(dim=-1)  # [R]
+    return probs.div_(_exponential_at(rng_key, position, ids, kernels)).argmax(dim=-1)  # [R]
 
 
 def _candidate_limits(
@@ -460,6 +495,7 @@ def _draw_filtered(
     use_top_p: bool,
     use_min_p: bool,
     width: int | None,
+    kernels: SamplerKernels,
 ) -> Tensor:
     """Draw with top-k, then top-p, then min-p: [R, V] scaled logits -> [R] int64.
 
@@ -502,11 +538,11 @@ def _draw_filtered(
     if use_min_p:
         cand_p = cand_p.masked_fill(cand_p < (min_p * p_max)[:, None], 0.0)
     # Filtered probabilities need no renormalisation: the race's argmax is scale-invariant.
-    race = cand_p.div_(_exponential_at(rng_key, position, cand_ids))  # [R, W]
+    race = cand_p.div_(_exponential_at(rng_key, position, cand_ids, kernels))  # [R, W]
     return cand_ids.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)  # [R]
 
 
-def _draw(logits: Tensor, batch: SamplingBatch) -> Tensor:
+def _draw(logits: Tensor, batch: SamplingBatch, kernels: SamplerKernels) -> Tensor:
     """Tokens for the non-greedy rows: [R, V] penalised logits -> [R] int64."""
     rows = batch.random_rows
     temperature = _take(batch.temperature, rows)  # [R]
@@ -514,9 +550,9 @@ def _draw(logits: Tensor, batch: SamplingBatch) -> Tensor:
     min_p = _take(batch.min_p, rows)
     key, pos = _take(batch.rng_key, rows), _take(batch.position, rows)
     if not batch.any_filtered:
-        return _draw_plain(logits, temperature, key, pos)
+        return _draw_plain(logits, temperature, key, pos, kernels)
     scaled = logits / temperature[:, None]  # [R, V]
-    flags = (batch.any_top_k, batch.any_top_p, batch.any_min_p, batch.candidate_width)
+    flags = (batch.any_top_k, batch.any_top_p, batch.any_min_p, batch.candidate_width, kernels)
     if not batch.any_plain:
         return _draw_filtered(scaled, top_k, top_p, min_p, key, pos, *flags)
     # Mixed: rank only the rows that filter; put both parts back in place.
@@ -526,11 +562,18 @@ def _draw(logits: Tensor, batch: SamplingBatch) -> Tensor:
         _take(scaled, f), _take(top_k, f), _take(top_p, f), _take(min_p, f),
         _take(key, f), _take(pos, f), *flags,
     )  # fmt: skip
-    tokens[p] = _draw_plain(_take(logits, p), _take(temperature, p), _take(key, p), _take(pos, p))
+    tokens[p] = _draw_plain(
+        _take(logits, p), _take(temperature, p), _take(key, p), _take(pos, p), kernels
+    )
     return tokens
 
 
-def sample(logits: Tensor, batch: SamplingBatch, logprobs: bool = True) -> SampleOutput:
+def sample(
+    logits: Tensor,
+    batch: SamplingBatch,
+    logprobs: bool = True,
+    kernels: SamplerKernels = TORCH_FORMULA,
+) -> SampleOutput:
     """Draw one token per row.
 
     logits: [S, V] raw model logits (cast to float32). Penalties apply to every row, greedy ones
@@ -539,16 +582,17 @@ def sample(logits: Tensor, batch: SamplingBatch, logprobs: bool = True) -> Sampl
     ``p >= min_p * p_max``), then the exponential race ``argmax p / E`` with ``E`` hashed from
     (rng_key, position, vocab id). ``logprobs`` are those of the raw logits (vLLM's default);
     ``logprobs=False`` skips them (a pass over [S, V]) and leaves ``SampleOutput.logprobs`` None.
+    ``kernels``: native versions of the noise and the plain draw (default: the PyTorch formula).
     """
     raw = logits.float()  # [S, V]
     logits = apply_penalties(raw, batch)  # [S, V]
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)  # [S]
     elif not batch.any_greedy:
-        tokens = _draw(logits, batch)  # [S]
+        tokens = _draw(logits, batch, kernels)  # [S]
     else:
         tokens = logits.argmax(dim=-1)  # [S]; the random rows are overwritten
-        tokens[batch.random_rows] = _draw(_take(logits, batch.random_rows), batch)
+        tokens[batch.random_rows] = _draw(_take(logits, batch.random_rows), batch, kernels)
     # log_softmax is a row kernel (a row's value does not depend on the batch shape), unlike
     # logsumexp; the [S, V] intermediate costs one pass.
     if not logprobs:

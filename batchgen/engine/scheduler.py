@@ -5,7 +5,9 @@ oldest first), then new sequences from the waiting queue (FIFO, each starting af
 cached prefix). When KV blocks run out, unlocked radix-cache leaves are evicted first, then the
 newest running sequences are preempted: their blocks are released and they are recomputed later
 (mostly from the prefix cache). A request with several targets is computed once and forked into
-one sequence per target when its prompt is done. No torch here: the scheduler is plain data.
+one sequence per target when its prompt is done; no step samples more than ``max_num_seqs``
+sequences: a request with more targets than free slots is split, and the later parts reuse the
+prompt's KV (see ``Sequence``). No torch here: the scheduler is plain data.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.radix_cache import PrefixCache
 from batchgen.engine.request import (
     FinishReason,
     Request,
-    SeqStatus,
     Sequence,
 )
+from batchgen.engine.stop import StopStrings
 
 
 @dataclass(frozen=True)
@@ -53,14 +56,32 @@ class Chunk:
 class Batch:
     chunks: list[Chunk] = field(default_factory=list)
     # (src, dst) block copies to perform before the forward pass (copy-on-write, and the head of
-    # a cached block that a new sequence's prompt shares in part).
+    # a cached block that a new sequence's prompt shares in part), in any order: destinations
+    # are distinct and none is a source (Scheduler.check).
     copies: list[tuple[int, int]] = field(default_factory=list)
-    # copy sources referenced by the batch until it has run (``update`` drops the references)
+    # One pool reference per copy source, held by the batch until it has run (``update`` drops
+    # them): no source is freed, and so reused as a destination, while the batch is scheduled.
     held: list[int] = field(default_factory=list)
+    _holds: dict[int, int] = field(default_factory=dict, repr=False)  # block -> count in held
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+    def hold(self, block: int) -> None:
+        """Record that the batch now holds a pool reference to ``block`` (taken by the caller)."""
+        self.held.append(block)
+        self._holds[block] = self._holds.get(block, 0) + 1
+
+    def holds(self, block: int) -> int:
+        """How many references to ``block`` the batch holds."""
+        return self._holds.get(block, 0)
+
+    def release_held(self) -> list[int]:
+        """Forget the references the batch holds and return them, for the caller to drop."""
+        held, self.held = self.held, []
+        self._holds.clear()
+        return held
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -79,18 +100,24 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         pool: BlockPool,
-        cache,  # RadixCache or NullCache (same interface)
+        cache: PrefixCache,
         eos_token_ids: SequenceABC[int] = (),
+        stop_strings: StopStrings | None = None,
     ) -> None:
+        """``stop_strings`` finds the requests' stop strings in the output text; without it stop
+        strings are not looked for."""
         self.config = config
         self.pool = pool
         self.cache = cache
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_strings = stop_strings
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_evicted_blocks = 0
         self.peak_blocks_used = 0
+        self.peak_num_seqs = 0  # the most sequences sampled in one step
+        self._num_parked = 0  # waiting sequences that hold their prompt's KV
         self._root = cache.match(()).handle
 
     # -- queue -----------------------------------------------------------------------------------
@@ -138,22 +165,107 @@ class Scheduler:
                 continue
             break  # seq itself was preempted: it was the newest, nothing follows it
 
-        # 2. Admit waiting sequences while budget, sequence slots and blocks allow.
+        # 2. Admit waiting sequences (or parts of them) while budget, slots and blocks allow.
+        # A running sequence takes one slot per target: it samples that many rows per step.
         slots = sum(len(s.targets) for s in self.running)
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
-            if slots + len(seq.targets) > self.config.max_num_seqs and self.running:
+            admitted = self._admit_next(seq, self.config.max_num_seqs - slots, budget, batch)
+            if admitted is None:
                 break
-            if not self._admit(seq, budget, batch):
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
-            slots += len(seq.targets)
-            chunk = batch.chunks[-1]
-            budget -= chunk.num_tokens
+            if admitted is seq:
+                self.waiting.popleft()
+            self.running.append(admitted)
+            slots += len(admitted.targets)
+            budget -= batch.chunks[-1].num_tokens
 
         self.peak_blocks_used = max(self.peak_blocks_used, self.pool.num_used)
+        sampled = sum(len(c.seq.targets) for c in batch.chunks if c.samples)
+        self.peak_num_seqs = max(self.peak_num_seqs, sampled)
         return batch
+
+    def _admit_next(self, seq: Sequence, free: int, budget: int, batch: Batch) -> Sequence | None:
+        """Admit ``seq``, the head of the queue, or a new part of it with ``free`` of its targets
+        (``free``: the sequence slots left); return what was admitted, or None if it must wait.
+
+        A fresh sequence that fits ``max_num_seqs`` waits until it fits whole; a larger one, or a
+        parked one, is split. Parts admitted before its prompt is computed leave the rest waiting
+        for that part (parked when the prompt is done): computing it again would waste the work.
+        """
+        if seq.waits_for is not None or free <= 0:
+            return None
+        parked = seq.num_computed > 0
+        if len(seq.targets) <= free:
+            part = seq
+        elif not parked and len(seq.targets) <= self.config.max_num_seqs:
+            return None
+        else:
+            part = self._split(seq, free)
+        if parked:
+            if not self._resume_parked(part, keep=seq, batch=batch):
+                if part is not seq:
+                    self._release(part)
+                return None
+            if part is seq:
+                self._num_parked -= 1
+        elif not self._admit(part, budget, batch):
+            return None
+        if part is not seq:
+            seq.targets = seq.targets[free:]
+            if seq.num_computed == 0:  # fresh, or gave up its blocks to admit the part
+                part.rest, seq.waits_for = seq, part
+        return part
+
+    def _split(self, seq: Sequence, k: int) -> Sequence:
+        """A new sequence for the first ``k`` targets of waiting ``seq``, holding what ``seq``
+        holds (one more reference and lock); the caller moves the targets once it is admitted."""
+        part = Sequence(
+            request=seq.request,
+            targets=seq.targets[:k],
+            token_ids=list(seq.token_ids),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            cache_handle=seq.cache_handle,
+            num_computed=seq.num_computed,
+            block_table=list(seq.block_table),
+            num_blocks_in_cache=seq.num_blocks_in_cache,
+        )
+        if seq.num_computed:
+            self.pool.incref(part.block_table)
+            self.cache.lock(part.cache_handle)
+        return part
+
+    def _resume_parked(self, seq: Sequence, keep: Sequence, batch: Batch) -> bool:
+        """Schedule the last prompt token of a parked sequence (or part of one): its logits are
+        needed again, and its KV goes into a block of its own. False if blocks ran out; parked
+        ``keep`` keeps its blocks meanwhile."""
+        watermark = self.config.watermark_blocks if self.running else 0
+        if not self._reserve(seq, 1, batch, extra=watermark, keep=keep):
+            return False
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed
+        batch.chunks.append(Chunk(seq, seq.num_computed, 1))
+        return True
+
+    def _park(self, seq: Sequence, source: Sequence) -> None:
+        """Give waiting ``seq`` (the rest of ``source``'s targets) the KV of every prompt token
+        but the last, now that ``source`` has computed its prompt."""
+        seq.waits_for = None
+        n = seq.num_prompt_tokens - 1
+        if n == 0:
+            return  # a one-token prompt: nothing to hold
+        seq.block_table = source.block_table[: -(-n // self.config.block_size)]
+        self.pool.incref(seq.block_table)
+        self.cache.lock(source.cache_handle)
+        seq.cache_handle = source.cache_handle
+        seq.num_blocks_in_cache = source.num_blocks_in_cache  # <= len(block_table)
+        seq.num_computed = n
+        self._num_parked += 1
+
+    def _unpark(self, seq: Sequence) -> None:
+        """A parked sequence gives its blocks back (it will be admitted like a fresh one)."""
+        self._release(seq)
+        seq.num_computed = 0
+        self._num_parked -= 1
 
     def _admit(self, seq: Sequence, budget: int, batch: Batch) -> bool:
         """Give ``seq`` its cached prefix and blocks for a first chunk; False if it must wait."""
@@ -191,14 +303,13 @@ class Scheduler:
         own = self.pool.allocate(need)
         if source is not None:
             batch.copies.append((source, own[0]))
-            batch.held.append(source)
+            batch.hold(source)
         seq.block_table = list(match.blocks) + own
         seq.cache_handle = match.handle
         seq.num_computed = start
         seq.num_blocks_in_cache = len(match.blocks)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = start
-        seq.status = SeqStatus.RUNNING
         batch.chunks.append(Chunk(seq, start, n))
         return True
 
@@ -212,36 +323,50 @@ class Scheduler:
             for c in batch.chunks
         )
 
-    def _reserve(self, seq: Sequence, n: int, batch: Batch) -> bool:
-        """Make the blocks for ``seq``'s next ``n`` tokens writable; False if blocks ran out."""
+    def _reserve(
+        self, seq: Sequence, n: int, batch: Batch, extra: int = 0, keep: Sequence | None = None
+    ) -> bool:
+        """Make the blocks for ``seq``'s next ``n`` tokens writable, with ``extra`` blocks to
+        spare; False if blocks ran out. ``keep``: a parked sequence not to unpark for room."""
         bs = self.config.block_size
         start = seq.num_computed
         need = -(-(start + n) // bs) - len(seq.block_table)
-        cow = start % bs != 0 and self.pool.refcount(seq.block_table[start // bs]) > 1
-        if not self._make_free(need + cow):
+        idx = start // bs
+        # Shared with another holder than the batch's copies: write into a private copy.
+        cow = start % bs != 0 and (
+            self.pool.refcount(seq.block_table[idx]) - batch.holds(seq.block_table[idx]) > 1
+        )
+        if not self._make_free(need + cow + extra, keep):
             return False
         if cow:
-            # The block being appended to is shared with a fork: write into a private copy.
-            idx = start // bs
             (copy,) = self.pool.allocate(1)
             batch.copies.append((seq.block_table[idx], copy))
-            self.pool.decref([seq.block_table[idx]])
+            batch.hold(seq.block_table[idx])  # the sequence's reference passes to the batch
             seq.block_table[idx] = copy
         if need > 0:
             seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _make_free(self, n: int) -> bool:
+    def _make_free(self, n: int, keep: Sequence | None = None) -> bool:
+        """Get ``n`` blocks free: evict cached blocks, then unpark parked sequences (but
+        ``keep``), newest first; False if that is not enough (a running sequence must go)."""
         if n <= self.pool.num_free:
             return True
         self.num_evicted_blocks += self.cache.evict(n - self.pool.num_free)
-        return n <= self.pool.num_free
+        if n <= self.pool.num_free or self._num_parked == 0:
+            return n <= self.pool.num_free
+        for seq in reversed(self.waiting):
+            if seq.num_computed and seq is not keep:
+                self._unpark(seq)
+                self.num_evicted_blocks += self.cache.evict(max(0, n - self.pool.num_free))
+                if n <= self.pool.num_free:
+                    return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -260,8 +385,7 @@ class Scheduler:
         ``draws`` has one list per sampling chunk of ``batch`` (in order), with one Draw per
         target of that chunk's sequence.
         """
-        self.pool.decref(batch.held)  # the copies have run
-        batch.held = []
+        self.pool.decref(batch.release_held())  # the copies have run
         finished: list[Sequence] = []
         sampled = iter(draws)
         for chunk in batch.chunks:
@@ -271,6 +395,9 @@ class Scheduler:
             if not chunk.samples:
                 continue
             seq_draws = next(sampled)
+            if seq.rest is not None:
+                self._park(seq.rest, seq)
+                seq.rest = None
             for child, draw in zip(self._fork(seq), seq_draws, strict=True):
                 child.token_ids.append(draw.token)
                 if child.params.logprobs:
@@ -282,8 +409,7 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire a running sequence (also used by the engine for stop strings)."""
-        seq.status = SeqStatus.FINISHED
+        """Retire a running sequence."""
         seq.finish_reason = reason
         self.running.remove(seq)
         self._release(seq)
@@ -309,7 +435,6 @@ class Scheduler:
                     # Only the first sample is charged for computing the prompt.
                     num_cached_tokens=seq.num_prompt_tokens,
                     num_blocks_in_cache=seq.num_blocks_in_cache,
-                    status=SeqStatus.RUNNING,
                 )
             )
         seq.targets = seq.targets[:1]
@@ -331,11 +456,21 @@ class Scheduler:
         seq.num_blocks_in_cache = full
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Whether ``seq`` ends with its newest token ``token``, decided here only and in this
+        order: EOS or a stop token id, a stop string (then ``seq.text`` is the output text cut
+        before it), max_tokens or max_model_len."""
         params = seq.params
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
             return FinishReason.STOP
+        if params.stop and self.stop_strings is not None:
+            text = self.stop_strings.match(
+                seq.decoded, seq.token_ids, seq.num_prompt_tokens, params.stop
+            )
+            if text is not None:
+                seq.text = text
+                return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         if len(seq.token_ids) >= self.config.max_model_len:
@@ -344,21 +479,50 @@ class Scheduler:
 
     # -- invariants --------------------------------------------------------------------------------
 
-    def check(self) -> None:
-        """Assert that every block is accounted for: free, owned by the cache, or held by a
-        running sequence, with refcounts equal to the number of holders."""
+    def check(self, batch: Batch | None = None) -> None:
+        """Assert that every block is accounted for: free, owned by the cache, held by a running
+        or parked sequence, or by ``batch`` (the batch scheduled last, until ``update``), with
+        refcounts equal to the number of holders; and the batch's block copies can run as one
+        unordered set (destinations distinct, none of them a source, every source held).
+
+        Call it after ``update``, or after ``schedule`` with the batch it returned.
+        """
         self.pool.check()
         self.cache.check()
         holders = [0] * self.pool.num_blocks
         for b in self.cache.owned_blocks():
             holders[b] += 1
+        if batch is not None:
+            sources = [src for src, _ in batch.copies]
+            dests = [dst for _, dst in batch.copies]
+            assert len(set(dests)) == len(dests), f"a block is copied into twice: {dests}"
+            assert not set(dests) & set(sources), f"copy destination also a source: {dests}"
+            assert set(sources) <= set(batch.held), "a copy source is not held by the batch"
+            running = {id(seq) for seq in self.running}
+            assert all(id(c.seq) in running for c in batch.chunks)
+            for b in batch.held:
+                holders[b] += 1
         for seq in self.running:
             bs = self.config.block_size
             assert len(seq.block_table) * bs >= seq.num_computed
             for b in seq.block_table:
                 holders[b] += 1
+        assert sum(len(s.targets) for s in self.running) <= self.config.max_num_seqs
+        parked = 0
         for seq in self.waiting:
-            assert not seq.block_table and seq.num_computed == 0
+            if seq.waits_for is not None:
+                assert seq.waits_for.rest is seq and seq.num_computed == 0
+            if seq.num_computed == 0:
+                assert not seq.block_table
+                continue
+            # parked: the KV of every prompt token but the last
+            parked += 1
+            assert seq.num_output_tokens == 0
+            assert seq.num_computed == seq.num_prompt_tokens - 1
+            assert len(seq.block_table) == -(-seq.num_computed // self.config.block_size)
+            for b in seq.block_table:
+                holders[b] += 1
+        assert parked == self._num_parked
         for b, count in enumerate(holders):
             assert self.pool.refcount(b) == count, (
                 f"block {b}: refcount {self.pool.refcount(b)}, holders {count}"
