@@ -445,3 +445,91 @@ def test_job_yaml_with_executor_section(ray_cluster, data: SimpleNamespace, tmp_
     run_cli("run", str(job), "--quiet", "--set", "executor.kind=local")
     check_exactly_once(out, data.refs["greedy"], 1)
     assert report_of(out)["rows"] == last["rows"] and report_of(out)["executor"] == "local"
+
+
+@pytest.mark.parametrize("moment", ["loading", "early", "mid", "twice"])
+def test_worker_sigkilled_restarts(
+    ray_cluster,
+    data: SimpleNamespace,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    moment: str,
+) -> None:
+    """A real SIGKILL of worker 0's process at several moments: while it loads its model, right
+    after the workers loaded (before any shard ran), once rows were handed back, and twice in one
+    job. Ray restarts it (max_restarts 3), the job completes exactly once with the local results,
+    and the report counts the restarts."""
+    from batchgen.executors.ray import RayExecutor
+
+    killed: list[int] = []
+    # Committed rows at which worker 0's current process is killed.
+    at = {"loading": [], "early": [], "mid": [6], "twice": [4, 20]}[moment]
+
+    def kill(slot: Any) -> None:
+        pid = slot.pids[-1]
+        killed.append(pid)
+        os.kill(pid, signal.SIGKILL)
+
+    real_submit, real_receive = RayExecutor.submit, RayExecutor._receive
+    real_load = RayExecutor._submit_load
+
+    def submit_load(self: RayExecutor, slot: Any) -> Any:
+        ref = real_load(self, slot)
+        if moment == "loading" and slot.index == 0 and not killed:
+            kill(slot)  # the load was submitted and has not returned
+        return ref
+
+    def submit(self: RayExecutor, rows: Any) -> None:
+        if moment == "early" and not killed:
+            kill(self.slots[0])  # the workers loaded; no shard has run yet
+        real_submit(self, rows)
+
+    def receive(self: RayExecutor, task: Any, chunk: Any) -> None:
+        real_receive(self, task, chunk)
+        slot = self.slots[0]
+        received = sum(s.totals.rows for s in self.slots)
+        # Kill again only once the previous kill's restart was seen (a new pid delivered rows).
+        if len(killed) < len(at) and received >= at[len(killed)] and len(slot.pids) > len(killed):
+            kill(slot)
+
+    monkeypatch.setattr(RayExecutor, "_submit_load", submit_load)
+    monkeypatch.setattr(RayExecutor, "submit", submit)
+    monkeypatch.setattr(RayExecutor, "_receive", receive)
+    job = job_for(data, tmp_path, SEEDED)
+    run_cli("run", str(job), "--quiet", *RAY, *SLOW, "--set", "executor.max_restarts=3")
+    out = tmp_path / "out"
+    assert len(killed) == max(len(at), 1), killed
+    figures = check_exactly_once(out, data.refs["seeded"], SEEDED["n"])
+    report = report_of(out)
+    assert report["finished"] is True and report["rows"] == ROWS
+    w0, w1 = report["workers"]
+    assert w0["alive"] and w0["restarts"] == len(killed) and w0["pid"] not in killed
+    assert w1["restarts"] == 0 and report["worker_restarts"] == len(killed)
+    print(f"[ray] worker 0 SIGKILLed {moment}: {figures}, rows run again: {w0['rerun_rows']}")
+
+
+def test_worker_killed_while_loading_without_restarts(
+    ray_cluster, data: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_restarts 0: a worker SIGKILLed while it loads is dead for good; the other one runs
+    every row."""
+    from batchgen.executors.ray import RayExecutor
+
+    real_load = RayExecutor._submit_load
+    killed: list[int] = []
+
+    def submit_load(self: RayExecutor, slot: Any) -> Any:
+        ref = real_load(self, slot)
+        if slot.index == 0 and not killed:
+            killed.append(slot.pids[-1])
+            os.kill(slot.pids[-1], signal.SIGKILL)
+        return ref
+
+    monkeypatch.setattr(RayExecutor, "_submit_load", submit_load)
+    job = job_for(data, tmp_path, GREEDY)
+    run_cli("run", str(job), "--quiet", *RAY, "--set", "executor.max_restarts=0")
+    out = tmp_path / "out"
+    check_exactly_once(out, data.refs["greedy"], 1)
+    w0, w1 = report_of(out)["workers"]
+    assert not w0["alive"] and w0["rows"] == 0
+    assert w1["alive"] and w1["rows"] == ROWS and w1["restarts"] == 0

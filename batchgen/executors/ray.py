@@ -19,7 +19,8 @@ output folder; the *workers* (Ray actors, one engine each) only generate.
   the new process loads its model again) and ``max_task_retries=0``: Ray would replay a failed
   generator from the start and expects the same chunks, which time-cut chunks are not. Instead
   the driver resubmits the shard (still in the object store) with the ids it has not received
-  yet; a row it already holds is never accepted again. A worker that is dead for good (restarts
+  yet; a row it already holds is never accepted again. A worker that dies while it loads its
+  model loads it again once restarted. A worker that is dead for good (restarts
   used up) passes its shards to the least-loaded live worker. If the driver dies, its actors die
   with it (Ray ends the actors of a dead owner); the next ``batchgen run`` resumes from the
   committed parts, exactly once.
@@ -43,6 +44,7 @@ from typing import Any
 import ray
 from ray.exceptions import (
     ActorDiedError,
+    ActorUnavailableError,
     NodeDiedError,
     RayActorError,
     RayTaskError,
@@ -63,7 +65,9 @@ QUEUED_SHARDS = 2  # a new round is planned when a worker holds fewer shards (ru
 CHUNK_SECONDS = 1.0  # a worker hands back finished rows at least this often (for the progress bar)
 REPORTED_GROUPS = 100  # prefix groups listed per worker in _report.json (all are counted)
 PREVIEW_CHARS = 60
-WORKER_LOST = (RayActorError, WorkerCrashedError, NodeDiedError)
+# ActorUnavailableError (a RayActorError in current Ray, named for clarity) is what a call gets
+# while Ray restarts the actor: a restart in progress, not a lost worker.
+WORKER_LOST = (RayActorError, ActorUnavailableError, WorkerCrashedError, NodeDiedError)
 
 
 # -- the worker -----------------------------------------------------------------------------------
@@ -223,10 +227,7 @@ class RayExecutor:
             )
             handles = [actor.remote(job) for _ in range(num_workers)]
             self.slots = [_Slot(i, h, {}) for i, h in enumerate(handles)]
-            infos = self._get([h.load.remote() for h in handles])
-            for slot, info in zip(self.slots, infos, strict=True):
-                slot.info = info
-                slot.pids.append(info["pid"])
+            self._load_all()
         except BaseException:
             self.close()
             raise
@@ -274,6 +275,45 @@ class RayExecutor:
                 file=sys.stderr,
             )
         return n, num_gpus
+
+    def _load_all(self) -> None:
+        """Wait until every worker has loaded its model. A worker that dies meanwhile (its
+        process killed while it loads) loads again once Ray has restarted it; one that is dead
+        for good is left out while another one lives."""
+        pending: dict[Any, _Slot] = {}
+        for slot in self.slots:
+            pid = self._restarted_pid(slot)  # its first process (a restart adds one)
+            if pid is None:
+                self._lost_while_loading(slot, "it did not start")
+            else:
+                self._seen(slot, pid)
+                pending[self._submit_load(slot)] = slot
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            slot = pending.pop(ready[0])
+            try:
+                info = self._get(ready[0])
+            except WORKER_LOST as err:
+                pid = self._restarted_pid(slot)
+                if pid is None:
+                    self._lost_while_loading(slot, " ".join(str(err).split())[:300])
+                else:
+                    self._seen(slot, pid)
+                    pending[self._submit_load(slot)] = slot
+                continue
+            self._seen(slot, info["pid"])
+            slot.info = info
+
+    def _submit_load(self, slot: _Slot) -> Any:
+        return slot.handle.load.remote()
+
+    def _lost_while_loading(self, slot: _Slot, why: str) -> None:
+        slot.alive = False
+        if not any(s.alive for s in self.slots):
+            raise RuntimeError(
+                f"every Ray worker died while loading the model (each restarted up to "
+                f"{self.config.max_restarts} times; the last error: {why})"
+            )
 
     def _get(self, refs: Any) -> Any:
         try:
@@ -430,7 +470,7 @@ class RayExecutor:
                 return ray.get(slot.handle.pid.remote(), timeout=10)
             except ActorDiedError:
                 return None
-            except (RayActorError, ray.exceptions.GetTimeoutError):
+            except (ActorUnavailableError, RayActorError, ray.exceptions.GetTimeoutError):
                 time.sleep(0.5)  # restarting, or temporarily unreachable
         return None
 
