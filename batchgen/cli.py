@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import click
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, OutputFullError
 from batchgen.job import load_job
 from batchgen.signals import EXIT_INTERRUPTED, Interrupted, exit_at_once
 
@@ -66,7 +66,8 @@ def _write_traceback(exc: BaseException, log_dir: Path | None) -> Path:
             path.write_text(text, encoding="utf-8")
             return path
         except OSError:
-            pass
+            with contextlib.suppress(OSError):  # e.g. created empty on a full disk
+                path.unlink(missing_ok=True)
     fd, name = tempfile.mkstemp(prefix=f"batchgen-error-{stamp}-", suffix=".log")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
@@ -99,6 +100,11 @@ class _ErrorGuard:
         if isinstance(exc, BatchgenError):
             click.echo(f"error: {_one_line(exc)}", err=True)
             raise click.exceptions.Exit(EXIT_INVALID) from None
+        if isinstance(exc, OutputFullError):
+            # Not a bug (no traceback log: there is no room for it either) and not an invalid
+            # job (exit 2): the saved rows stay and the same command resumes once there is room.
+            click.echo(f"error: {_one_line(exc)}", err=True)
+            raise click.exceptions.Exit(EXIT_INTERNAL) from None
         if isinstance(exc, (KeyboardInterrupt, Interrupted)):
             message = "" if isinstance(exc, KeyboardInterrupt) else _one_line(exc)
             click.echo(

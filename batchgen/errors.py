@@ -1,5 +1,6 @@
-"""Errors that the CLI turns into one clear line and exit code 2 (SPEC: "the job, its input or
-its model is invalid"). Anything else is a bug: exit 1 with a log file."""
+"""Errors that the CLI turns into one clear line: exit code 2 for a BatchgenError (SPEC: "the job,
+its input or its model is invalid"), 1 for an OutputFullError. Anything else is a bug: exit 1 with
+a log file."""
 
 from __future__ import annotations
 
@@ -18,3 +19,9 @@ class InputError(BatchgenError):
 
 class ModelError(BatchgenError):
     """The model folder (config, weights, tokenizer) is missing, corrupt or unsupported."""
+
+
+class OutputFullError(Exception):
+    """The output folder's disk or quota is full. Not a BatchgenError, since the job is valid:
+    the CLI prints ``str(err)`` (one line naming the folder and the rows saved) and exits 1,
+    without a traceback log. What was committed stays; running again resumes."""

@@ -35,12 +35,14 @@ Manifest (JSON)::
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import json
 import os
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,7 +51,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.errors import JobError
+from batchgen.errors import JobError, OutputFullError
 from batchgen.job import describe_fingerprint_mismatch
 from batchgen.schema import Totals
 
@@ -67,6 +69,8 @@ _RESULT_FILES = (MANIFEST_NAME, REPORT_NAME)
 # Called with a step name between the steps of a commit; tests raise in it to simulate a crash.
 StepHook = Callable[[str], None]
 COMMIT_STEPS = ("part_written", "part_renamed", "manifest_written")
+# A write into the output folder failing with one of these is a full disk or quota, not a bug.
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 # --------------------------------------------------------------------------- file helpers
@@ -101,10 +105,15 @@ def _write_durably(
     Readers see the old file or the new one, never a partial one.
     """
     tmp = folder / f".{name}.tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):  # e.g. a full disk: give its space back now
+            tmp.unlink(missing_ok=True)
+        raise
     if before_rename is not None:
         before_rename()
     os.replace(tmp, folder / name)
@@ -405,7 +414,8 @@ class OutputFolder:
     def write_report(self, report: Mapping[str, Any]) -> None:
         """Write ``_report.json`` atomically."""
         data = _json_bytes(dict(report))
-        _write_durably(self.path, REPORT_NAME, lambda f: f.write(data))
+        with self._space_checked():
+            _write_durably(self.path, REPORT_NAME, lambda f: f.write(data))
 
     def close(self) -> None:
         """Release the folder's lock. Idempotent."""
@@ -429,8 +439,25 @@ class OutputFolder:
         self, manifest: dict[str, Any], before_rename: Callable[[], None] | None = None
     ) -> None:
         data = _json_bytes(manifest)
-        _write_durably(self.path, MANIFEST_NAME, lambda f: f.write(data), before_rename)
+        with self._space_checked():
+            _write_durably(self.path, MANIFEST_NAME, lambda f: f.write(data), before_rename)
         self._manifest = manifest
+
+    @contextlib.contextmanager
+    def _space_checked(self) -> Iterator[None]:
+        """A full disk or quota while writing becomes an OutputFullError naming the folder and
+        the rows committed (the manifest on disk is the one held here)."""
+        try:
+            yield
+        except OSError as err:
+            if err.errno not in NO_SPACE_ERRNOS:
+                raise
+            rows = self.counts()["rows"]
+            raise OutputFullError(
+                f"output folder {self.path}: {os.strerror(err.errno)} while saving results; "
+                f"{rows} rows are saved there; free space (or raise the quota) and run the same "
+                "command again to resume"
+            ) from None
 
     def _commit_part(self, table: pa.Table, rows: int, on_step: StepHook | None) -> None:
         """Write one part and then the manifest that lists it (the protocol above)."""
@@ -441,7 +468,8 @@ class OutputFolder:
         def after_temp_written() -> None:
             step("part_written")
 
-        _write_durably(self.path, name, lambda f: pq.write_table(table, f), after_temp_written)
+        with self._space_checked():
+            _write_durably(self.path, name, lambda f: pq.write_table(table, f), after_temp_written)
         step("part_renamed")
 
         ids = table.column("id")
