@@ -211,7 +211,8 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 class EngineConfig(_Section):
-    """``engine:``: how the work is done. Not in the fingerprint: a job may resume with others.
+    """``engine:``: how the work is done. Not in the fingerprint, a job may resume with others,
+    except the numerics it resolves to (``dtype``, see :func:`numerics`).
 
     ``kv_cache_memory`` is a positive int of bytes or ``"auto"`` after validation.
     """
@@ -498,7 +499,9 @@ def _format_error(err: Mapping[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- fingerprint
 
-FINGERPRINT_KEYS = ("model", "input", "sampling")
+FINGERPRINT_KEYS = ("model", "input", "sampling", "numerics")
+# Kept readable rather than hashed: a mismatch names both values.
+_PLAIN_KEYS = ("numerics",)
 
 
 def _digest(obj: Any) -> str:
@@ -506,12 +509,27 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
-def fingerprint(job: Job, model_identity: str, input_identity: str) -> dict[str, str]:
-    """What decides a job's results, as short hashes under ``model``, ``input``, ``sampling``.
+def numerics(dtype: str) -> str:
+    """The numerics a job runs with, resolved (never ``auto``), as the fingerprint records them:
+    ``dtype=float32``. kv_cache_dtype, once it exists, is one more key here."""
+    values = {"dtype": dtype}
+    return ",".join(f"{k}={v}" for k, v in values.items())
+
+
+def fingerprint(
+    job: Job,
+    model_identity: str,
+    input_identity: str,
+    numerics: str | None = None,
+) -> dict[str, str]:
+    """What decides a job's results, as short hashes under ``model``, ``input``, ``sampling``,
+    and under ``numerics`` (when given, see :func:`numerics`) the resolved numerics as text,
+    e.g. ``dtype=float32``.
 
     ``model_identity`` (config, weights, tokenizer) and ``input_identity`` (the files) come from
-    whoever inspected them; the input column settings are added here. Engine, executor and output
-    settings are deliberately left out: they change how, not what, so a job may resume with others.
+    whoever inspected them; the input column settings are added here. The other engine settings,
+    executor and output settings are deliberately left out: they change how, not what, so a job
+    may resume with others.
     """
     columns = {
         "prompt_column": job.input.prompt_column,
@@ -519,11 +537,14 @@ def fingerprint(job: Job, model_identity: str, input_identity: str) -> dict[str,
         "id_column": job.input.id_column,
         "keep_columns": list(job.input.keep_columns),
     }
-    return {
+    fp = {
         "model": _digest(model_identity),
         "input": _digest({"identity": input_identity, "columns": columns}),
         "sampling": _digest(job.sampling.model_dump(mode="json")),
     }
+    if numerics is not None:
+        fp["numerics"] = numerics
+    return fp
 
 
 def describe_fingerprint_mismatch(old: Mapping[str, str], new: Mapping[str, str]) -> str:
@@ -534,7 +555,13 @@ def describe_fingerprint_mismatch(old: Mapping[str, str], new: Mapping[str, str]
     differing = [k for k in keys if old.get(k) != new.get(k)]
     if not differing:
         return "nothing differs"
-    return f"{', '.join(differing)} differ{'s' if len(differing) == 1 else ''}"
+    text = f"{', '.join(differing)} differ{'s' if len(differing) == 1 else ''}"
+    shown = [
+        f"{k}: {old.get(k) or 'not recorded'} in the folder, {new.get(k) or 'not recorded'} now"
+        for k in differing
+        if k in _PLAIN_KEYS
+    ]
+    return f"{text} ({'; '.join(shown)})" if shown else text
 
 
 __all__ = [
@@ -548,6 +575,7 @@ __all__ = [
     "describe_fingerprint_mismatch",
     "fingerprint",
     "load_job",
+    "numerics",
     "parse_job",
     "parse_memory",
 ]

@@ -11,16 +11,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from batchgen.engine.engine import EngineConfig
 from batchgen.engine.request import SamplingParams
 from batchgen.errors import JobError
-from batchgen.job import Job
+from batchgen.job import Job, numerics
 from batchgen.model.config import ModelInfo
+from batchgen.results import read_manifest
 
 CPU_KV_CACHE_CAP = 1 << 30  # bytes: "auto" never takes more than this on a CPU
 CPU_KV_CACHE_SHARE = 0.25  # of available memory, for "auto" on a CPU
@@ -49,7 +52,7 @@ def resolve_placement(job: Job) -> Placement:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise JobError(f"engine.device is {eng.device!r} but no CUDA device is available")
     if eng.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = auto_dtype(device)
     else:
         dtype = getattr(torch, eng.dtype)
     if eng.attention_backend == "auto":
@@ -62,6 +65,38 @@ def resolve_placement(job: Job) -> Placement:
             "(slow, for testing) or use 'torch'"
         )
     return Placement(device, dtype, backend)
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """What ``engine.dtype: auto`` resolves to on ``device``."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def job_numerics(job: Job, folder: Path) -> tuple[str, tuple[str, ...]]:
+    """The numerics for the job's fingerprint (:func:`~batchgen.job.numerics`), and the
+    fingerprint keys an output folder may lack (``adopt`` of :meth:`OutputFolder.open`).
+
+    Resolved as :func:`resolve_placement` does. Ray workers resolve their own placement: with an
+    explicit ``engine.dtype`` theirs is the same; with ``auto`` it is known once they report it,
+    so the folder's recorded numerics are taken as they are, and the job loop checks the
+    executor's against them. A folder written before numerics were fingerprinted resumes when
+    the job runs in what ``auto`` gives here (every job's default then); its numerics are
+    recorded from then on.
+    """
+    eng = job.engine
+    if eng.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(eng.device)
+    default = auto_dtype(device)
+    dtype = default if eng.dtype == "auto" else getattr(torch, eng.dtype)
+    text = numerics(str(dtype).removeprefix("torch."))
+    if job.executor.kind == "ray" and eng.dtype == "auto":
+        with contextlib.suppress(JobError):
+            recorded = ((read_manifest(folder) or {}).get("fingerprint") or {}).get("numerics")
+            if isinstance(recorded, str):
+                text = recorded
+    return text, (("numerics",) if dtype == default else ())
 
 
 def _available_memory(device: torch.device) -> int:

@@ -21,7 +21,7 @@ that the next open deletes, and its rows are generated again) or the new one; ne
 Manifest (JSON)::
 
     {"format": "batchgen-output", "version": 1,
-     "fingerprint": {"model": ..., "input": ..., "sampling": ...},
+     "fingerprint": {"model": ..., "input": ..., "sampling": ..., "numerics": "dtype=..."},
      "total_rows": int | null, "finished": bool,
      "created_at": iso, "last_commit_at": iso | null, "next_part": int,
      "parts": [{"name", "rows", "samples", "prompt_tokens", "cached_prompt_tokens",
@@ -202,9 +202,12 @@ class FolderState:
         return int(self.manifest["totals"]["rows"]) if self.manifest else 0
 
 
-def inspect_folder(path: Path, fingerprint: Mapping[str, str], fresh: bool) -> FolderState:
+def inspect_folder(
+    path: Path, fingerprint: Mapping[str, str], fresh: bool, adopt: Sequence[str] = ()
+) -> FolderState:
     """Read-only: raise the JobError that opening ``path`` for this job would raise (a file, not
-    writable, a foreign folder, another job's results unless ``fresh``); else its state.
+    writable, a foreign folder, another job's results unless ``fresh``); else its state. Keys in
+    ``adopt`` that the folder's fingerprint lacks do not differ (see :func:`same_job`).
 
     ``validate`` uses it as it is; :meth:`OutputFolder.open` before creating the folder and again
     under the folder's lock."""
@@ -243,13 +246,19 @@ def inspect_folder(path: Path, fingerprint: Mapping[str, str], fresh: bool) -> F
         return FolderState(path, None)
     if fresh:
         return FolderState(path, None)
-    if manifest.get("fingerprint") != dict(fingerprint):
+    if not same_job(manifest.get("fingerprint") or {}, fingerprint, adopt):
         what = describe_fingerprint_mismatch(manifest.get("fingerprint") or {}, fingerprint)
         raise JobError(
             f"output folder {path} holds a different job: {what}; use --fresh to delete its "
             "results, or choose another output.path"
         )
     return FolderState(path, manifest)
+
+
+def same_job(old: Mapping[str, str], new: Mapping[str, str], adopt: Sequence[str] = ()) -> bool:
+    """Whether a folder's fingerprint ``old`` is the job ``new``: equal, but for keys in
+    ``adopt`` that ``old`` lacks."""
+    return dict(old) == {k: v for k, v in new.items() if k in old or k not in adopt}
 
 
 # --------------------------------------------------------------------------- the folder
@@ -264,16 +273,23 @@ class OutputFolder:
         self._lock_fd = lock_fd
 
     @classmethod
-    def open(cls, path: Path, fingerprint: Mapping[str, str], fresh: bool = False) -> OutputFolder:
+    def open(
+        cls,
+        path: Path,
+        fingerprint: Mapping[str, str],
+        fresh: bool = False,
+        adopt: Sequence[str] = (),
+    ) -> OutputFolder:
         """Open (creating if missing) the output folder of a job with this fingerprint.
 
-        Refused (JobError) as :func:`inspect_folder` says. ``fresh``: delete earlier results
+        Refused (JobError) as :func:`inspect_folder` says; keys in ``adopt`` that the folder's
+        fingerprint lacks (written before they were fingerprinted) are recorded in it. ``fresh``: delete earlier results
         first (only batchgen's own files). Leftovers of a crash are cleaned: temp files, and part
         files the manifest does not list (never committed). A listed part that is missing is
         dropped from the manifest, so its rows are generated again.
         """
         path = Path(path)
-        inspect_folder(path, fingerprint, fresh)  # refuse before creating anything
+        inspect_folder(path, fingerprint, fresh, adopt)  # refuse before creating anything
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -282,7 +298,7 @@ class OutputFolder:
         lock_fd = _lock(path)
         try:
             # Again under the lock: another process may have written here meanwhile.
-            state = inspect_folder(path, fingerprint, fresh)
+            state = inspect_folder(path, fingerprint, fresh, adopt)
             folder = cls._open_locked(path, state.manifest, fingerprint, fresh, lock_fd)
         except BaseException:
             if lock_fd is not None:
@@ -322,6 +338,9 @@ class OutputFolder:
         if manifest is None:
             folder._write_manifest(folder._manifest)
         else:
+            if manifest["fingerprint"] != dict(fingerprint):  # adopted keys
+                folder._write_manifest({**manifest, "fingerprint": dict(fingerprint)})
+                manifest = folder._manifest
             missing = [p for p in manifest["parts"] if not (path / p["name"]).is_file()]
             if missing:
                 parts = [p for p in manifest["parts"] if p not in missing]
@@ -401,6 +420,13 @@ class OutputFolder:
         """
         self.check_schema(schema)
         return PartWriter(self, schema, commit_rows, commit_seconds, on_step=on_step, clock=clock)
+
+    def set_fingerprint(self, fingerprint: Mapping[str, str]) -> None:
+        """Record another fingerprint; only while no row is committed (e.g. once Ray workers
+        reported the numerics they resolved)."""
+        if self._manifest["parts"]:
+            raise ValueError("the fingerprint of a folder with committed rows cannot change")
+        self._write_manifest({**self._manifest, "fingerprint": dict(fingerprint)})
 
     def set_total_rows(self, total_rows: int) -> None:
         """Record the number of input rows, so ``status`` can show progress."""

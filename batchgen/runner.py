@@ -18,12 +18,13 @@ from tqdm import tqdm
 from batchgen.dataset import InputDataset
 from batchgen.errors import JobError
 from batchgen.executors import Executor
-from batchgen.job import Job, fingerprint
+from batchgen.job import Job, describe_fingerprint_mismatch, fingerprint
 from batchgen.model.config import read_model_info
 from batchgen.model.loader import check_model, load_tokenizer, model_identity
 from batchgen.plan import (
     describe_engine,
     describe_executor,
+    job_numerics,
     plan_num_blocks,
     resolve_placement,
     sampling_params,
@@ -43,9 +44,9 @@ def validate(job: Job) -> str:
     info = read_model_info(job.model)
     dataset = InputDataset(job.input)
     check_model(job.model)  # weights and tokenizer files, from their headers
-    state = inspect_folder(
-        job.output.path, fingerprint(job, model_identity(job.model), dataset.identity), False
-    )
+    text, adopt = job_numerics(job, job.output.path)
+    fp = fingerprint(job, model_identity(job.model), dataset.identity, text)
+    state = inspect_folder(job.output.path, fp, False, adopt)
     load_tokenizer(job.model)
     output = (
         f"resumes: {state.rows_done} of {dataset.num_rows} rows done" if state.manifest else "new"
@@ -115,8 +116,9 @@ class JobRun:
             _check_ray_installed()
         else:
             plan_num_blocks(job, info, resolve_placement(job))
-        fp = fingerprint(job, model_identity(job.model), self.dataset.identity)
-        self.folder = OutputFolder.open(job.output.path, fp, fresh)
+        text, adopt = job_numerics(job, job.output.path)
+        fp = fingerprint(job, model_identity(job.model), self.dataset.identity, text)
+        self.folder = OutputFolder.open(job.output.path, fp, fresh, adopt)
         try:
             self._start(job)
         except BaseException:
@@ -143,7 +145,26 @@ class JobRun:
         # Checked before any model is loaded: results with other columns cannot be resumed.
         self.folder.check_schema(schema)
         self.executor = _make_executor(job, tokenizer)
+        self._check_numerics(self.executor.numerics())
         self.writer = self.folder.writer(schema, job.output.commit_rows, job.output.commit_seconds)
+
+    def _check_numerics(self, ran: str) -> None:
+        """The numerics the engines resolved must be the folder's. While nothing is committed
+        the folder takes the engines' (with ``dtype: auto`` the driver of Ray workers can only
+        guess what their devices give)."""
+        folder = self.folder
+        fp = {**folder.fingerprint, "numerics": ran}
+        if fp == folder.fingerprint:
+            return
+        if not folder.counts()["parts"]:
+            folder.set_fingerprint(fp)
+            return
+        raise JobError(
+            f"output folder {folder.path} holds a different job: "
+            f"{describe_fingerprint_mismatch(folder.fingerprint, fp)} (as the engines resolved "
+            "engine.dtype); set engine.dtype, use --fresh to delete its results, or choose "
+            "another output.path"
+        )
 
     def _close_executor(self) -> None:
         executor, self.executor = self.executor, None

@@ -25,7 +25,7 @@ import yaml
 
 from batchgen.errors import JobError
 from batchgen.job import ExecutorConfig, fingerprint, load_job
-from batchgen.results import MANIFEST_NAME, REPORT_NAME, totals_of
+from batchgen.results import MANIFEST_NAME, REPORT_NAME, OutputFolder, totals_of
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import read_results, run_cli, write_job
 
@@ -533,3 +533,39 @@ def test_worker_killed_while_loading_without_restarts(
     w0, w1 = report_of(out)["workers"]
     assert not w0["alive"] and w0["rows"] == 0
     assert w1["alive"] and w1["rows"] == ROWS and w1["restarts"] == 0
+
+
+def test_job_loop_checks_the_workers_dtype(tmp_path: Path) -> None:
+    """Ray workers resolve engine.dtype themselves: what they report is held against the output
+    folder's fingerprint (adopted while nothing is committed, refused after)."""
+    pytest.importorskip("ray")
+    import pyarrow as pa
+
+    from batchgen.executors.ray import RayExecutor, _Slot
+    from batchgen.runner import JobRun
+    from batchgen.schema import output_schema
+
+    fp = {"model": "m", "input": "i", "sampling": "s", "numerics": "dtype=float32"}
+    folder = OutputFolder.open(tmp_path / "out", fp)
+    executor = object.__new__(RayExecutor)
+    executor.job = SimpleNamespace(engine=SimpleNamespace(dtype="auto"))
+    job_run = object.__new__(JobRun)
+    job_run.folder = folder
+
+    def check(*dtypes: str) -> None:
+        executor.slots = [_Slot(i, None, {"dtype": d}) for i, d in enumerate(dtypes)]
+        job_run._check_numerics(executor.numerics())
+
+    check("float32", "float32")
+    assert folder.fingerprint == fp
+    with pytest.raises(JobError, match="bfloat16 and float32"):
+        check("float32", "bfloat16")
+    check("bfloat16", "bfloat16")  # nothing committed: the driver's guess was wrong
+    assert folder.fingerprint == {**fp, "numerics": "dtype=bfloat16"}
+    writer = folder.writer(output_schema(pa.int64(), [], False), 1, 1e9)
+    row = {"id": 0, "sample_index": 0, "text": "", "token_ids": [], "finish_reason": "length"}
+    writer.add_row_group([{**row, "num_prompt_tokens": 1, "num_cached_tokens": 0}])
+    writer.commit()
+    with pytest.raises(JobError, match="numerics differs .*dtype=bfloat16 in the folder"):
+        check("float32", "float32")
+    folder.close()

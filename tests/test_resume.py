@@ -488,3 +488,62 @@ def test_fingerprint_notices_new_weights_of_the_same_shapes(crash, tmp_path: Pat
         tensors = load_file(path)
         save_file({k: v + 0.01 for k, v in tensors.items()}, path, metadata={"format": "pt"})
     assert "model differs" in refusal(invoke("run", job, "--set", f"model={tuned}"))
+
+
+def test_fingerprint_covers_the_numerics(crash: SimpleNamespace, tmp_path: Path) -> None:
+    """The resolved dtype is in the fingerprint: a resume in another dtype is refused (naming
+    both), ``auto`` that resolves to the same dtype resumes, ``--fresh`` starts over. A folder
+    from before numerics were fingerprinted resumes in the dtype ``auto`` gives here."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("auto resolves to float32 on a CPU only")
+    prompts = make_prompts(6, seed=14, min_words=3, max_words=8)
+    sampling = {"max_tokens": 3, "temperature": 0}
+    job = write_job(
+        tmp_path,
+        crash.model,
+        prompts,
+        sampling=sampling,
+        engine={"dtype": "float32", "max_num_seqs": 2},
+    )
+    out = tmp_path / "out"
+    run_cli("run", str(job), "--quiet", "--set", "output.commit_rows=2")
+    first = read_results(out)
+
+    def results() -> list[tuple[Any, int, list[int]]]:
+        # num_cached_tokens depends on what a resumed run had cached
+        return [(r["id"], r["sample_index"], r["token_ids"]) for r in read_results(out)]
+
+    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32"
+
+    def drop_last_part() -> int:
+        last = manifest_of(out)["parts"][-1]
+        (out / last["name"]).unlink()
+        return last["rows"]
+
+    dropped = drop_last_part()
+    before = snapshot(out)
+    for command in ("run", "validate"):
+        line = refusal(invoke(command, job, "--set", "engine.dtype=bfloat16"))
+        assert "numerics differs" in line and "float32" in line and "bfloat16" in line, line
+    assert snapshot(out) == before
+    assert (
+        f"batchgen: done: {dropped} rows"
+        in run_cli("run", str(job), "--quiet", "--set", "engine.dtype=auto").stderr
+    )
+    assert results() == [(r["id"], r["sample_index"], r["token_ids"]) for r in first]
+
+    # A manifest written before the fingerprint had numerics.
+    manifest = manifest_of(out)
+    del manifest["fingerprint"]["numerics"]
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    drop_last_part()
+    assert "numerics differs" in refusal(invoke("run", job, "--set", "engine.dtype=bfloat16"))
+    run_cli("run", str(job), "--quiet")
+    assert results() == [(r["id"], r["sample_index"], r["token_ids"]) for r in first]
+    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32"
+
+    run_cli("run", str(job), "--quiet", "--fresh", "--set", "engine.dtype=bfloat16")
+    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=bfloat16"
+    assert len(read_results(out)) == len(first)

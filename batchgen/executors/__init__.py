@@ -38,6 +38,11 @@ class Executor(Protocol):
         """Advance (one engine step, or a short wait for workers); the rows finished since."""
         ...
 
+    def numerics(self) -> str:
+        """The numerics the engines resolved, as the fingerprint records them
+        (:func:`batchgen.job.numerics`); a JobError where engines disagree."""
+        ...
+
     def sampled_tokens(self) -> int:
         """Tokens drawn so far (the progress bar's tokens/s)."""
         ...

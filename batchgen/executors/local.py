@@ -20,7 +20,7 @@ from batchgen.engine.engine import Engine
 from batchgen.engine.request import FinishReason, Request, SampleResult, SampleTarget
 from batchgen.engine.sampler import rng_key
 from batchgen.host_memory import keep_freed_memory
-from batchgen.job import Job
+from batchgen.job import Job, numerics
 from batchgen.model import cpu_kernels
 from batchgen.model.attention import make_attention_backend
 from batchgen.model.config import ModelInfo
@@ -212,6 +212,9 @@ class LocalExecutor:
         if self.generator.has_work():
             done += self.generator.step()
         return done
+
+    def numerics(self) -> str:
+        return numerics(self.generator.place.dtype_name)
 
     def sampled_tokens(self) -> int:
         return self.generator.engine.stats.sampled_tokens

@@ -54,7 +54,7 @@ from ray.exceptions import (
 from batchgen.errors import BatchgenError, JobError
 from batchgen.executors.local import RowGenerator
 from batchgen.executors.sharding import Planner, PrefixGroup, common_prefix
-from batchgen.job import ExecutorConfig, Job
+from batchgen.job import ExecutorConfig, Job, numerics
 from batchgen.model.config import read_model_info
 from batchgen.model.loader import load_tokenizer
 from batchgen.plan import resolve_placement
@@ -332,6 +332,15 @@ class RayExecutor:
             self._advance(gen)
         done, self._ready = self._ready, []
         return done
+
+    def numerics(self) -> str:
+        dtypes = sorted({s.info["dtype"] for s in self.slots if s.alive})
+        if len(dtypes) > 1:
+            raise JobError(
+                f"executor: the Ray workers run in {' and '.join(dtypes)} (engine.dtype "
+                f"{self.job.engine.dtype}); one job runs in one dtype: set engine.dtype"
+            )
+        return numerics(dtypes[0])
 
     def sampled_tokens(self) -> int:
         return sum(s.stats.get("sampled_tokens", 0) for s in self.slots)
