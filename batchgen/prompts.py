@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.dataset import InputRow
+from batchgen.errors import JobError, ModelError
 from batchgen.job import Job
+from batchgen.model.config import ModelInfo
 
 
 @dataclass(frozen=True)
@@ -112,3 +114,28 @@ class PromptEncoder:
         except Exception as e:  # noqa: BLE001 - a template that rejects the row (raise_exception)
             raise RowProblem.of(f"the chat template cannot render {column}", e) from e
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_job_against_model(job: Job, info: ModelInfo, tokenizer: Any) -> None:
+    """Raise for what would make every row an error row (or silently do nothing): problems of
+    the job with this model, found before the output folder is touched."""
+    if job.input.messages_column is not None:
+        problem = None
+        if not getattr(tokenizer, "chat_template", None):
+            problem = "has no chat_template (its tokenizer files set none)"
+        else:
+            try:
+                tokenizer.get_chat_template()
+            except Exception as err:  # noqa: BLE001 - e.g. named templates and no "default"
+                problem = f"has no usable chat_template ({' '.join(str(err).split())[:200]})"
+        if problem is not None:
+            raise ModelError(
+                f"model {job.model} {problem}, which input.messages_column needs: add a "
+                "chat_template.jinja to the model folder, or use input.prompt_column"
+            )
+    outside = [t for t in job.sampling.stop_token_ids if t >= info.vocab_size]
+    if outside:
+        raise JobError(
+            f"sampling.stop_token_ids: {', '.join(map(str, outside))} outside the vocabulary of "
+            f"model {job.model} (vocab_size {info.vocab_size})"
+        )

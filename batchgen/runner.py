@@ -29,7 +29,7 @@ from batchgen.plan import (
     resolve_placement,
     sampling_params,
 )
-from batchgen.prompts import PromptEncoder
+from batchgen.prompts import PromptEncoder, check_job_against_model
 from batchgen.results import OutputFolder, inspect_folder
 from batchgen.schema import RowGroup, Totals, error_rows, output_schema
 from batchgen.signals import GracefulStop, Interrupted
@@ -46,8 +46,8 @@ def validate(job: Job) -> str:
     check_model(job.model)  # weights and tokenizer files, from their headers
     text, adopt = job_numerics(job, job.output.path)
     fp = fingerprint(job, model_identity(job.model), dataset.identity, text)
+    check_job_against_model(job, info, load_tokenizer(job.model))
     state = inspect_folder(job.output.path, fp, False, adopt)
-    load_tokenizer(job.model)
     output = (
         f"resumes: {state.rows_done} of {dataset.num_rows} rows done" if state.manifest else "new"
     )
@@ -118,6 +118,8 @@ class JobRun:
             plan_num_blocks(job, info, resolve_placement(job))
         text, adopt = job_numerics(job, job.output.path)
         fp = fingerprint(job, model_identity(job.model), self.dataset.identity, text)
+        self.tokenizer = load_tokenizer(job.model)
+        check_job_against_model(job, info, self.tokenizer)
         self.folder = OutputFolder.open(job.output.path, fp, fresh, adopt)
         try:
             self._start(job)
@@ -134,17 +136,16 @@ class JobRun:
         self.done_ids = self.folder.completed_ids()
         self.totals = Totals()
         # Every row already committed (the fingerprint says they are this input's rows): there
-        # is nothing to generate, so the tokenizer, the model and the engine are not loaded.
+        # is nothing to generate, so the model and the engine are not loaded.
         self.nothing_to_do = len(self.done_ids) >= self.dataset.num_rows
         if self.nothing_to_do:
             return
-        tokenizer = load_tokenizer(job.model)
-        self.encoder = PromptEncoder(job, tokenizer)
+        self.encoder = PromptEncoder(job, self.tokenizer)
         self.params = sampling_params(job)
         schema = output_schema(self.dataset.id_type, self.dataset.keep_fields, self.params.logprobs)
         # Checked before any model is loaded: results with other columns cannot be resumed.
         self.folder.check_schema(schema)
-        self.executor = _make_executor(job, tokenizer)
+        self.executor = _make_executor(job, self.tokenizer)
         self._check_numerics(self.executor.numerics())
         self.writer = self.folder.writer(schema, job.output.commit_rows, job.output.commit_seconds)
 

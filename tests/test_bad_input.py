@@ -139,11 +139,6 @@ Setup = Callable[[Path, Path], tuple[Path, list[str], list[str]]]
 CASES: dict[str, Setup] = {}
 BOTH = ("run", "validate")
 PERMISSION_CASES = {"model-folder-unreadable", "weights-unreadable", "output-not-writable"}
-# `run` resolves the engine settings after it opened the output folder (an empty folder is left;
-# a run with fixed settings resumes into it).
-CHECKED_AFTER_FOLDER = {"kv-cache-too-small", "device-without-cuda"}
-
-
 def case(name: str) -> Callable[[Setup], Setup]:
     def register(fn: Setup) -> Setup:
         CASES[name] = fn
@@ -436,6 +431,34 @@ def _(tmp: Path, model: Path) -> tuple[Path, list[str], list[str]]:
     return with_job(tmp, m), [], ["tokenizer", str(m)]
 
 
+@case("tokenizer-unloadable")
+def _(tmp: Path, model: Path) -> tuple[Path, list[str], list[str]]:
+    # Complete JSON that the tokenizers library cannot build a tokenizer from.
+    m = copy_model(model, tmp)
+    (m / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope"}}')
+    return with_job(tmp, m), [], ["cannot load the tokenizer", str(m)]
+
+
+@case("chat-template-missing")
+def _(tmp: Path, model: Path) -> tuple[Path, list[str], list[str]]:
+    # Every row would be an error row: a problem of the job, not of its rows.
+    m = copy_model(model, tmp)
+    (m / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((m / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (m / "tokenizer_config.json").write_text(json.dumps(config))
+    path = with_job(tmp, m, input__messages_column="chat")
+    write_table(tmp, pa.table({"id": [0], "chat": [[{"role": "user", "content": "hi"}]]}))
+    return path, [], [str(m), "chat_template", "input.messages_column"]
+
+
+@case("stop-token-outside-vocabulary")
+def _(tmp: Path, model: Path) -> tuple[Path, list[str], list[str]]:
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    path = with_job(tmp, model, sampling__stop_token_ids=[2, vocab])
+    return path, [], ["sampling.stop_token_ids", str(vocab), str(model)]
+
+
 @case("model-folder-unreadable")
 def _(tmp: Path, model: Path) -> tuple[Path, list[str], list[str]]:
     m = copy_model(model, tmp)
@@ -726,7 +749,7 @@ def test_job_level_problem_is_one_line(
     out_before = _tree(tmp_path / "out")
     line = one_line(invoke(command, job, *args), 2, "error: ", *needles)
     assert len(line) < 600, line
-    if command == "validate" or not (name.startswith("output-") or name in CHECKED_AFTER_FOLDER):
+    if command == "validate" or not name.startswith("output-"):
         # A job refused before it started leaves no trace (no output folder, no log).
         assert sorted(p.name for p in tmp_path.iterdir()) == before
         assert _tree(tmp_path / "out") == out_before
