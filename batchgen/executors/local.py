@@ -177,6 +177,7 @@ class RowGenerator:
             "kv_blocks": self.engine.config.num_blocks,
             "kv_block_size": self.engine.config.block_size,
             "peak_kv_blocks_used": scheduler.peak_blocks_used,
+            "peak_num_seqs": scheduler.peak_num_seqs,
             "evicted_kv_blocks": scheduler.num_evicted_blocks,
             "kv_waste": round(stats.waste, 4),
             "engine_steps": stats.steps,
