@@ -43,7 +43,8 @@ def test_tokens_and_logprobs_across_batch_shapes(tiny_model, tmp_path) -> None:
             if ta != tb:
                 break
             same += 1
-        diffs = [abs(x - y) for x, y in zip(a["token_logprobs"][:same], b["token_logprobs"][:same])]
+        head = zip(a["token_logprobs"][:same], b["token_logprobs"][:same], strict=True)
+        diffs = [abs(x - y) for x, y in head]
         worst = max([worst, *diffs])
     print(f"\n[batch invariance] {engine}: max |logprob difference| {worst:.2e}")
     assert worst <= LOGPROB_ATOL
