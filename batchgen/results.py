@@ -1,5 +1,10 @@
 """Parquet out: part files, the manifest, the report. Durable and resumable.
 
+One noun, the output folder: its inspection (shared by ``validate`` and ``open``), its commit
+protocol and the writer that feeds it, kept together (about 540 lines) because each relies on the
+others' invariants; the file primitives are in :mod:`batchgen.storage`, status in
+:mod:`batchgen.status`.
+
 Layout of an output folder (SPEC "The output folder")::
 
     part-00000.parquet     results; each holds whole input rows (all n samples of a row)
@@ -44,9 +49,8 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -54,6 +58,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import JobError, OutputFullError
 from batchgen.job import describe_fingerprint_mismatch
 from batchgen.schema import Totals
+from batchgen.storage import fsync_dir, json_bytes, lock_folder, now_iso, write_durably
 
 MANIFEST_NAME = "_manifest.json"
 REPORT_NAME = "_report.json"
@@ -71,57 +76,6 @@ StepHook = Callable[[str], None]
 COMMIT_STEPS = ("part_written", "part_renamed", "manifest_written")
 # A write into the output folder failing with one of these is a full disk or quota, not a bug.
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-# --------------------------------------------------------------------------- file helpers
-
-
-def _now_iso() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_durably(
-    folder: Path,
-    name: str,
-    write: Callable[[IO[bytes]], None],
-    before_rename: Callable[[], None] | None = None,
-) -> None:
-    """Write ``folder/name`` by temp file, fsync, rename, fsync folder.
-
-    Readers see the old file or the new one, never a partial one.
-    """
-    tmp = folder / f".{name}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError:
-        with contextlib.suppress(OSError):  # e.g. a full disk: give its space back now
-            tmp.unlink(missing_ok=True)
-        raise
-    if before_rename is not None:
-        before_rename()
-    os.replace(tmp, folder / name)
-    _fsync_dir(folder)
-
-
-def _json_bytes(obj: Any) -> bytes:
-    return (json.dumps(obj, indent=1, default=str) + "\n").encode("utf-8")
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
@@ -153,7 +107,7 @@ def _new_manifest(fingerprint: Mapping[str, str]) -> dict[str, Any]:
         "fingerprint": dict(fingerprint),
         "total_rows": None,
         "finished": False,
-        "created_at": _now_iso(),
+        "created_at": now_iso(),
         "last_commit_at": None,
         "next_part": 0,
         "parts": [],
@@ -164,25 +118,6 @@ def _new_manifest(fingerprint: Mapping[str, str]) -> dict[str, Any]:
 def totals_of(parts: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """The manifest's ``totals``: the counts summed over its parts, and the number of parts."""
     return {**Totals.sum(parts).as_dict(), "parts": len(parts)}
-
-
-def _lock(folder: Path) -> int | None:
-    """Hold an exclusive lock on the folder (POSIX flock) so two jobs never write it at once.
-
-    Returns the lock's file descriptor (None where flock does not exist); it is released when
-    closed or when the process ends, also by a crash.
-    """
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock, documented limitation
-        return None
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise JobError(f"output folder {folder} is in use by another batchgen process") from None
-    return fd
 
 
 # --------------------------------------------------------------------------- inspection
@@ -295,7 +230,7 @@ class OutputFolder:
         except OSError as err:
             raise JobError(f"cannot create output folder {path}: {err.strerror or err}") from None
         lock_existed = (path / LOCK_NAME).exists()
-        lock_fd = _lock(path)
+        lock_fd = lock_folder(path / LOCK_NAME, path)
         try:
             # Again under the lock: another process may have written here meanwhile.
             state = inspect_folder(path, fingerprint, fresh, adopt)
@@ -332,7 +267,7 @@ class OutputFolder:
                 (path / name).unlink(missing_ok=True)
                 removed = True
         if removed:
-            _fsync_dir(path)
+            fsync_dir(path)
 
         folder = cls(path, manifest or _new_manifest(fingerprint), lock_fd)
         if manifest is None:
@@ -439,9 +374,9 @@ class OutputFolder:
 
     def write_report(self, report: Mapping[str, Any]) -> None:
         """Write ``_report.json`` atomically."""
-        data = _json_bytes(dict(report))
+        data = json_bytes(dict(report))
         with self._space_checked():
-            _write_durably(self.path, REPORT_NAME, lambda f: f.write(data))
+            write_durably(self.path, REPORT_NAME, lambda f: f.write(data))
 
     def close(self) -> None:
         """Release the folder's lock. Idempotent."""
@@ -464,9 +399,9 @@ class OutputFolder:
     def _write_manifest(
         self, manifest: dict[str, Any], before_rename: Callable[[], None] | None = None
     ) -> None:
-        data = _json_bytes(manifest)
+        data = json_bytes(manifest)
         with self._space_checked():
-            _write_durably(self.path, MANIFEST_NAME, lambda f: f.write(data), before_rename)
+            write_durably(self.path, MANIFEST_NAME, lambda f: f.write(data), before_rename)
         self._manifest = manifest
 
     @contextlib.contextmanager
@@ -495,7 +430,7 @@ class OutputFolder:
             step("part_written")
 
         with self._space_checked():
-            _write_durably(self.path, name, lambda f: pq.write_table(table, f), after_temp_written)
+            write_durably(self.path, name, lambda f: pq.write_table(table, f), after_temp_written)
         step("part_renamed")
 
         ids = table.column("id")
@@ -509,7 +444,7 @@ class OutputFolder:
         manifest["parts"].append(entry)
         manifest["totals"] = totals_of(manifest["parts"])
         manifest["next_part"] = number + 1
-        manifest["last_commit_at"] = _now_iso()
+        manifest["last_commit_at"] = now_iso()
         manifest["finished"] = False
         self._write_manifest(manifest, before_rename=lambda: step("manifest_written"))
 
