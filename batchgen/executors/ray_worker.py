@@ -1,0 +1,112 @@
+"""The body of a Ray actor of ``executor.kind: ray``: one engine on one model (a
+:class:`~batchgen.executors.local.RowGenerator`), running the shards the driver sends and
+streaming finished input rows back in :class:`Chunk` s (see :mod:`batchgen.executors.ray`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from batchgen.executors.local import RowGenerator
+from batchgen.job import Job
+from batchgen.model.config import read_model_info
+from batchgen.model.loader import load_tokenizer
+from batchgen.plan import resolve_placement
+from batchgen.prompts import EncodedRow
+from batchgen.schema import RowGroup
+
+CHUNK_SECONDS = 1.0  # a worker hands back finished rows at least this often (for the progress bar)
+
+
+@dataclass
+class Chunk:
+    """What a worker streams back: finished input rows and its engine's figures since the last
+    chunk (``peak_kv_blocks_used`` is a level, not a delta)."""
+
+    groups: list[RowGroup]
+    stats: dict[str, int]
+    pid: int
+
+
+class Worker:
+    """The body of a Ray actor: one :class:`RowGenerator`, loaded on first use (so a restarted
+    actor, whose constructor Ray runs again, loads its model when work arrives)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.generator: RowGenerator | None = None
+        self.reported: dict[str, int] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def load(self) -> dict[str, Any]:
+        """Load the model and build the engine (once); where and how it runs."""
+        if self.generator is None:
+            job = self.job
+            info = read_model_info(job.model)
+            self.generator = RowGenerator(
+                job, info, resolve_placement(job), load_tokenizer(job.model)
+            )
+        report = self.generator.report()
+        return {
+            "pid": os.getpid(),
+            "node": ray.util.get_node_ip_address(),
+            "max_model_len": self.generator.max_model_len,
+            **{
+                k: report[k]
+                for k in (
+                    "device",
+                    "dtype",
+                    "attention_backend",
+                    "cpu_kernels",
+                    "kv_blocks",
+                    "kv_block_size",
+                )
+            },
+        }
+
+    def run(
+        self,
+        shard: list[EncodedRow],
+        only: frozenset[Any] | None,
+        commit_rows: int,
+        commit_seconds: float,
+    ) -> Iterator[Chunk]:
+        """Generate the rows of ``shard`` (those with ids in ``only``, when given) and yield
+        them in chunks of about ``commit_rows`` output rows, or every ``commit_seconds`` (at
+        most :data:`CHUNK_SECONDS`)."""
+        self.load()
+        gen = self.generator
+        assert gen is not None
+        rows = shard if only is None else [e for e in shard if e.row.id in only]
+        buffer = gen.feed(rows)
+        last = time.monotonic()
+        every = min(commit_seconds, CHUNK_SECONDS)
+        while gen.has_work():
+            buffer += gen.step()
+            samples = sum(len(g) for g in buffer)
+            if buffer and (samples >= commit_rows or time.monotonic() - last >= every):
+                yield Chunk(buffer, self._stats(), os.getpid())
+                buffer = []
+                last = time.monotonic()
+        yield Chunk(buffer, self._stats(), os.getpid())
+
+    def _stats(self) -> dict[str, int]:
+        assert self.generator is not None
+        engine = self.generator.engine
+        now = {
+            "engine_steps": engine.stats.steps,
+            "sampled_tokens": engine.stats.sampled_tokens,
+            "preemptions": engine.scheduler.num_preemptions,
+            "evicted_kv_blocks": engine.scheduler.num_evicted_blocks,
+        }
+        delta = {k: v - self.reported.get(k, 0) for k, v in now.items()}
+        self.reported = now
+        delta["peak_kv_blocks_used"] = engine.scheduler.peak_blocks_used
+        return delta
