@@ -1133,7 +1133,7 @@ def test_internal_error_keeps_committed_rows_and_resumes(
     # The resumed rows ran in other batches than the reference's: equal up to near-tie flips.
     by_id = dict(enumerate(prompts))
     compare_samples(rows, reference, model=model, prompts=by_id, sampling=sampling)
-    # What was committed before the failure is kept as it was, not generated again.
+    # What was committed before the failure is left as it was.
     done = {(r["id"], r["sample_index"]): r["token_ids"] for r in partial}
     assert [r["token_ids"] for r in rows if (r["id"], r["sample_index"]) in done] == list(
         done.values()
