@@ -1,8 +1,13 @@
 """Helpers for tests that run whole jobs: write a prompts file and a job file, run the CLI,
-read the results back sorted by (id, sample_index)."""
+read the results back sorted by (id, sample_index).
+
+The one place for these: test files import from here, never from each other.
+"""
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +15,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import yaml
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from batchgen.cli import main
 
@@ -27,6 +32,8 @@ def write_job(
     output: str = "out",
     name: str = "job.yaml",
 ) -> Path:
+    """Write ``tmp/prompts.parquet`` (``prompts`` with ids 0.., or ``table``) and a job file
+    reading it; return the job file's path."""
     tmp.mkdir(parents=True, exist_ok=True)
     if table is None:
         table = pa.table({"id": list(range(len(prompts))), "prompt": prompts})
@@ -38,13 +45,44 @@ def write_job(
         "sampling": sampling or {},
         "engine": engine or {},
     }
+    return write_job_file(tmp, job, name)
+
+
+def write_job_file(tmp: Path, job: Mapping[str, Any] | str, name: str = "job.yaml") -> Path:
+    """Write a job file as given: a mapping dumped as YAML, or text as it is (for files that
+    are malformed on purpose). No prompts file is written."""
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / name
-    path.write_text(yaml.safe_dump(job))
+    path.write_text(job if isinstance(job, str) else yaml.safe_dump(dict(job)))
     return path
 
 
-def run_cli(*args: str, expect: int = 0):
-    result = CliRunner().invoke(main, list(args))
+def copy_model(model: Path, tmp: Path, name: str = "model") -> Path:
+    """A private copy of a model folder, ``tmp/name``, for a test that damages it."""
+    return Path(shutil.copytree(model, tmp / name))
+
+
+def invoke(*args: str | Path) -> Result:
+    """Run the CLI in this process with these arguments; the result, whatever its exit code."""
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def one_line(result: Result, code: int, *needles: str) -> str:
+    """Assert the exit code is ``code`` and stderr is ONE line holding every needle, with no
+    traceback anywhere; return that line."""
+    for stream in (result.stdout, result.stderr):
+        assert "Traceback" not in stream, stream
+    assert result.exit_code == code, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].strip(), result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def run_cli(*args: str | Path, expect: int = 0) -> Result:
+    """Run the CLI and assert its exit code."""
+    result = invoke(*args)
     assert result.exit_code == expect, (result.exit_code, result.output, result.exception)
     return result
 

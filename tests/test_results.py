@@ -208,7 +208,9 @@ def test_report_and_finished(tmp_path: Path) -> None:
         folder.mark_finished()
         folder.write_report({"rows": 1, "elapsed_s": 2.0, "output_tokens_per_s": 3.0})
         assert folder.finished
-    assert json.loads((out / REPORT_NAME).read_text())["rows"] == 1
+    # Under the name SPEC gives it, whole (no temp file left); its content shows in the status.
+    assert "_report.json" in os.listdir(out) and REPORT_NAME == "_report.json"
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     status = read_status(out)
     assert "state:         finished" in status
     assert "1 of 1 rows (100.0%)" in status and "3.0 output tokens/s" in status
@@ -258,7 +260,10 @@ def test_fresh_deletes_only_our_files(tmp_path: Path) -> None:
     other = {**FP, "model": "m2"}
     with OutputFolder.open(out, other, fresh=True) as folder:
         assert folder.completed_ids() == set()
-        assert folder.fingerprint == other
+    # The folder now holds the other job: it resumes without --fresh, the first is refused.
+    OutputFolder.open(out, other).close()
+    with pytest.raises(JobError, match="model differs"):
+        OutputFolder.open(out, FP)
     assert sorted(os.listdir(out)) == [
         ".batchgen.lock",
         "_batchgen-error-1.log",
