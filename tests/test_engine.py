@@ -108,6 +108,7 @@ def test_prefix_sharing_rows_and_forks_match_transformers(tiny_model):
     assert sum(len(prompts[i]) - r.num_cached_tokens for (i, _), r in out.items()) == computed
 
 
+@pytest.mark.slow  # 17-24 s each on two cores: the Triton kernels run interpreted
 @pytest.mark.parametrize(
     "sampling",
     [
