@@ -14,14 +14,23 @@ import threading
 import pytest
 import torch
 
+from batchgen.engine import sampler
+from batchgen.engine.request import SamplingParams
+from batchgen.engine.sampler import TORCH_FORMULA, SamplerKernels
 from batchgen.kernels.reference import paged_attention_ref, store_kv_ref
 from batchgen.model import cpu_kernels
+from batchgen.model.cpu_kernels import CpuKernels
 from batchgen.model.once import Once
+from tests.optional import require
 
-KERNEL = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(
-    KERNEL is None, reason="the CPU attention kernel cannot be built here (no C compiler?)"
-)
+
+@pytest.fixture
+def kernel() -> CpuKernels:
+    """The process's C kernels; the test fails where they cannot be built (tests/optional.py)."""
+    require("cpu_kernels")
+    built = cpu_kernels.load()
+    assert built is not None
+    return built
 
 
 def make_case(
@@ -94,19 +103,23 @@ SHAPES = [
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
-def test_decode_matches_reference(hq: int, hkv: int, d: int, bs: int, tiled: bool) -> None:
+def test_decode_matches_reference(
+    kernel: CpuKernels, hq: int, hkv: int, d: int, bs: int, tiled: bool
+) -> None:
     k_lens = [1, 15, 16, 17, 31, 32, 33, 64, 100, 7 * bs, 7 * bs + 1]
     c = make_case(hq, hkv, d, bs, [1] * len(k_lens), k_lens, seed=hq * 1000 + d + bs)
     out = torch.full(c["q"].shape, float("nan"))
     seqs = torch.arange(len(k_lens), dtype=torch.int32)
-    KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.2, tiled=tiled)
+    kernel.paged_attention(**c, seqs=seqs, out=out, scale=0.2, tiled=tiled)
     ref = paged_attention_ref(**c, scale=0.2, max_seqlen_q=1, max_seqlen_k=max(k_lens))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES[:3] + SHAPES[4:6])
-def test_extend_subset_and_key_start(hq: int, hkv: int, d: int, bs: int, tiled: bool) -> None:
+def test_extend_subset_and_key_start(
+    kernel: CpuKernels, hq: int, hkv: int, d: int, bs: int, tiled: bool
+) -> None:
     """Several new tokens per sequence, only some sequences computed, keys from an offset."""
     q_lens = [3, 1, 8, 2, 5]
     k_lens = [40, 17, 8 + 3 * bs, 2 * bs, 70]
@@ -117,7 +130,7 @@ def test_extend_subset_and_key_start(hq: int, hkv: int, d: int, bs: int, tiled: 
     lse = torch.full((t, hq), -7.0)
     seqs = torch.tensor([0, 2, 3, 4], dtype=torch.int32)  # sequence 1 is not ours
     ks = torch.tensor(k_start, dtype=torch.int32)
-    KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.3, k_start=ks, lse=lse, tiled=tiled)
+    kernel.paged_attention(**c, seqs=seqs, out=out, scale=0.3, k_start=ks, lse=lse, tiled=tiled)
     ref, ref_lse = reference(c, 0.3, k_start)
     cu = c["cu_seqlens_q"].tolist()
     mine = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in seqs.tolist()])
@@ -128,7 +141,9 @@ def test_extend_subset_and_key_start(hq: int, hkv: int, d: int, bs: int, tiled: 
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
-def test_tiled_prefills_and_long_extends(hq: int, hkv: int, d: int, bs: int) -> None:
+def test_tiled_prefills_and_long_extends(
+    kernel: CpuKernels, hq: int, hkv: int, d: int, bs: int
+) -> None:
     """The tiled kernel on fresh prefills (new tokens = keys) of lengths around the tile and
     block sizes, and on long extends after a cached part and a key offset, with the lse."""
     q_lens = [1, 2, 15, 16, 17, 33, 4 * bs, 130, 40, 23]
@@ -140,14 +155,14 @@ def test_tiled_prefills_and_long_extends(hq: int, hkv: int, d: int, bs: int) -> 
     lse = torch.full((t, hq), float("nan"))
     seqs = torch.arange(len(q_lens), dtype=torch.int32)
     ks = torch.tensor(k_start, dtype=torch.int32)
-    KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.25, k_start=ks, lse=lse, tiled=True)
+    kernel.paged_attention(**c, seqs=seqs, out=out, scale=0.25, k_start=ks, lse=lse, tiled=True)
     ref, ref_lse = reference(c, 0.25, k_start)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
-def test_extremes_and_many_threads(tiled: bool) -> None:
+def test_extremes_and_many_threads(kernel: CpuKernels, tiled: bool) -> None:
     """Huge logits (one key dominates: exp underflows to 0 for the rest), a sequence much longer
     than the others, and more threads than work items."""
     c = make_case(8, 2, 64, 16, [1, 1, 1], [3, 1000, 20], seed=3)
@@ -157,7 +172,7 @@ def test_extremes_and_many_threads(tiled: bool) -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(7)
-        KERNEL.paged_attention(**c, seqs=seqs, out=out, scale=0.125, tiled=tiled)
+        kernel.paged_attention(**c, seqs=seqs, out=out, scale=0.125, tiled=tiled)
     finally:
         torch.set_num_threads(threads)
     ref = paged_attention_ref(**c, scale=0.125, max_seqlen_q=1, max_seqlen_k=1000)
@@ -165,7 +180,7 @@ def test_extremes_and_many_threads(tiled: bool) -> None:
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_store_kv_matches_reference() -> None:
+def test_store_kv_matches_reference(kernel: CpuKernels) -> None:
     gen = torch.Generator().manual_seed(0)
     kc = torch.randn(6, 4, 2, 8, generator=gen)
     vc = torch.randn(6, 4, 2, 8, generator=gen)
@@ -174,18 +189,18 @@ def test_store_kv_matches_reference() -> None:
     slots = torch.tensor([3, 0, -1, 23, 9])
     want_k, want_v = kc.clone(), vc.clone()
     store_kv_ref(k, v, want_k, want_v, slots)
-    KERNEL.store_kv(k, v, kc, vc, slots)
+    kernel.store_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
-def test_rejects_unsupported_inputs() -> None:
+def test_rejects_unsupported_inputs(kernel: CpuKernels) -> None:
     c = make_case(4, 2, 64, 16, [1], [5], seed=1)
     out = torch.empty(c["q"].shape)
     seqs = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="unsupported"):
-        KERNEL.paged_attention(**{**c, "q": c["q"].double()}, seqs=seqs, out=out, scale=1.0)
+        kernel.paged_attention(**{**c, "q": c["q"].double()}, seqs=seqs, out=out, scale=1.0)
     with pytest.raises(ValueError, match="unsupported"):
-        KERNEL.paged_attention(
+        kernel.paged_attention(
             **{**c, "seq_lens": c["seq_lens"].long()}, seqs=seqs, out=out, scale=1.0
         )
 
@@ -209,21 +224,21 @@ def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> No
 
 
 @pytest.mark.parametrize("n", [8, 64, 100, 512])
-def test_rms_norm_matches_torch(n: int) -> None:
+def test_rms_norm_matches_torch(kernel: CpuKernels, n: int) -> None:
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(37, n + 5, generator=gen)[:, :n] * 3.0  # strided rows
     w = torch.randn(n, generator=gen)
     want = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w
-    got = KERNEL.rms_norm(x, w, 1e-5)
+    got = kernel.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
     x3 = torch.randn(5, 4, n, generator=gen)  # per-head norm (Qwen3's q_norm / k_norm)
     torch.testing.assert_close(
-        KERNEL.rms_norm(x3, w, 1e-6), torch.nn.functional.rms_norm(x3, (n,), w, 1e-6)
+        kernel.rms_norm(x3, w, 1e-6), torch.nn.functional.rms_norm(x3, (n,), w, 1e-6)
     )
 
 
 @pytest.mark.parametrize("d", [8, 64, 128, 34])
-def test_rope_in_place_matches_torch(d: int) -> None:
+def test_rope_in_place_matches_torch(kernel: CpuKernels, d: int) -> None:
     gen = torch.Generator().manual_seed(d)
     qkv = torch.randn(9, 7, d, generator=gen)
     x = qkv[:, :5]  # rotate the first 5 "heads" of each row, in place
@@ -233,48 +248,57 @@ def test_rope_in_place_matches_torch(d: int) -> None:
     c, s = cos[:, None], sin[:, None]
     want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     rest = qkv[:, 5:].clone()
-    KERNEL.rope_(x, cos, sin)
+    kernel.rope_(x, cos, sin)
     torch.testing.assert_close(qkv[:, :5], want, atol=1e-6, rtol=1e-6)
     assert torch.equal(qkv[:, 5:], rest)  # the other columns are untouched
 
 
 @pytest.mark.parametrize("inter", [16, 40, 1536])
-def test_silu_mul_matches_torch(inter: int) -> None:
+def test_silu_mul_matches_torch(kernel: CpuKernels, inter: int) -> None:
     gen = torch.Generator().manual_seed(inter)
     gate_up = torch.randn(11, 2 * inter, generator=gen) * 4.0
     gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 200.0, -200.0])  # exp over/underflow
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
     want = torch.nn.functional.silu(gate.double()) * up.double()
     up_before = up.clone()
-    got = KERNEL.silu_mul_(gate_up)
+    got = kernel.silu_mul_(gate_up)
     assert got.data_ptr() == gate_up.data_ptr() and got.shape == (11, inter)  # in place
     assert torch.equal(gate_up[:, inter:], up_before)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=2e-6)
 
 
-def test_uniform_noise_bit_identical_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+def native_sampler_kernels(kernel: CpuKernels) -> SamplerKernels:
+    """What the engine hands the sampler on a CPU (engine._default_sampler_kernels)."""
+    return SamplerKernels(uniform_noise=kernel.uniform_noise, race_draw=kernel.race_draw)
+
+
+def test_uniform_noise_bit_identical_to_torch(kernel: CpuKernels) -> None:
     """The sampler's noise from the C kernel equals the PyTorch formula bit for bit, for the
     whole vocabulary and for gathered candidate ids (both the [1, K] and [S, K] forms)."""
-    from batchgen.engine import sampler
-
     gen = torch.Generator().manual_seed(0)
     keys = torch.randint(0, 2**63 - 1, (33,), generator=gen)
     keys[0], keys[1] = 0, 2**63 - 1
     pos = torch.randint(0, 10**6, (33,), generator=gen)
     cand = torch.randint(0, 150_000, (33, 70), generator=gen)
-    native = [sampler.uniform_noise(keys, pos, 4099), sampler._uniform_at(keys, pos, cand)]
-    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # the PyTorch formula
-    ref = [sampler.uniform_noise(keys, pos, 4099), sampler._uniform_at(keys, pos, cand)]
-    for got, want in zip(native, ref, strict=True):
-        assert torch.equal(got, want)
-        assert bool(((got > 0) & (got < 1)).all())
+    native = native_sampler_kernels(kernel)
+    got = [
+        sampler.uniform_noise(keys, pos, 4099, native),
+        sampler._uniform_at(keys, pos, cand, native),
+    ]
+    want = [
+        sampler.uniform_noise(keys, pos, 4099, TORCH_FORMULA),
+        sampler._uniform_at(keys, pos, cand, TORCH_FORMULA),
+    ]
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+        assert bool(((g > 0) & (g < 1)).all())
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
 @pytest.mark.parametrize("prefix_len", [1, 16, 37])
 def test_prefix_attention_merge_matches_attention_over_all_parts(
-    hq: int, hkv: int, d: int, bs: int, prefix_len: int
+    kernel: CpuKernels, hq: int, hkv: int, d: int, bs: int, prefix_len: int
 ) -> None:
     """Rows that attended to their own keys (out, lse) and then, through the kernel, to shared
     prefixes end with attention (and log-sum-exp) over all their keys; other rows untouched.
@@ -314,7 +338,7 @@ def test_prefix_attention_merge_matches_attention_over_all_parts(
         rows = torch.tensor([r for _, rs in parts for r in rs])
         slot_off = torch.tensor([0] + [len(keys) for keys, _ in parts]).cumsum(0)
         row_off = torch.tensor([0] + [len(rs) for _, rs in parts]).cumsum(0)
-        KERNEL.prefix_attention_merge_(q, kc, vc, slots, slot_off, rows, row_off, out, lse, scale)
+        kernel.prefix_attention_merge_(q, kc, vc, slots, slot_off, rows, row_off, out, lse, scale)
 
     call([(mid, [7, 0, 3]), (outer, [1, 5])])
     call([(outer, [7, 0, 3, 10, 4])])
@@ -328,11 +352,9 @@ def test_prefix_attention_merge_matches_attention_over_all_parts(
 
 
 @pytest.mark.parametrize("vocab", [1, 16, 17, 4099])
-def test_race_draw_matches_float64_race(vocab: int) -> None:
+def test_race_draw_matches_float64_race(kernel: CpuKernels, vocab: int) -> None:
     """The fused draw is argmax_j softmax(x / T)_j / E_j with the sampler's noise, first index on
     ties; checked against the race in float64 on every row whose winner is not a near-tie."""
-    from batchgen.engine import sampler
-
     gen = torch.Generator().manual_seed(vocab)
     rows = 300
     scale = torch.tensor([0.1, 1.0, 5.0, 40.0]).repeat(rows // 4)[:, None]
@@ -344,7 +366,7 @@ def test_race_draw_matches_float64_race(vocab: int) -> None:
     keys = torch.randint(0, 2**63 - 1, (rows,), generator=gen)
     pos = torch.randint(0, 10**6, (rows,), generator=gen)
     state = sampler._row_state(keys, pos)
-    got = KERNEL.race_draw(logits, temperature, state)
+    got = kernel.race_draw(logits, temperature, state)
 
     u = sampler.uniform_noise(keys, pos, vocab).double()
     s = logits.double() / temperature.double()[:, None]
@@ -357,12 +379,9 @@ def test_race_draw_matches_float64_race(vocab: int) -> None:
     assert bool(((got >= 0) & (got < vocab)).all())
 
 
-def test_race_draw_is_the_samplers_plain_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_race_draw_is_the_samplers_plain_draw(kernel: CpuKernels) -> None:
     """sample() on CPU draws the same tokens with the C race as with the PyTorch formula
     (temperature only), row by row, at every temperature."""
-    from batchgen.engine import sampler
-    from batchgen.engine.request import SamplingParams
-
     gen = torch.Generator().manual_seed(9)
     rows, vocab = 64, 1000
     logits = torch.randn(rows, vocab, generator=gen) * 4
@@ -370,11 +389,18 @@ def test_race_draw_is_the_samplers_plain_draw(monkeypatch: pytest.MonkeyPatch) -
     batch = sampler.SamplingBatch.from_rows(
         params, list(range(100, 100 + rows)), [5] * rows, None, None, vocab
     )
-    native = sampler.sample(logits, batch, logprobs=False)
-    assert native.logprobs is None
-    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-    ref = sampler.sample(logits, batch)
-    assert torch.equal(native.tokens, ref.tokens)
+    calls = []
+
+    def race_draw(logits: torch.Tensor, temperature: torch.Tensor, state: torch.Tensor):
+        calls.append(logits.shape)
+        return kernel.race_draw(logits, temperature, state)
+
+    native = SamplerKernels(uniform_noise=kernel.uniform_noise, race_draw=race_draw)
+    got = sampler.sample(logits, batch, logprobs=False, kernels=native)
+    assert got.logprobs is None
+    assert calls == [(rows, vocab)]  # every row went through the C race
+    want = sampler.sample(logits, batch, kernels=TORCH_FORMULA)
+    assert torch.equal(got.tokens, want.tokens)
 
 
 def test_concurrent_first_loads_both_get_the_kernels(
@@ -382,6 +408,7 @@ def test_concurrent_first_loads_both_get_the_kernels(
 ) -> None:
     """A caller arriving while another one compiles the library waits for it (it used to get
     None: the loader marked itself done before the build finished)."""
+    require("cpu_kernels")
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))  # nothing cached: a real build
     fresh_loader(monkeypatch)
     compiling, second_done = threading.Event(), threading.Event()

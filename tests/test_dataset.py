@@ -159,7 +159,10 @@ def test_windows_and_skip_ids(tmp_path: Path) -> None:
         next(ds.iter_windows(0))
 
 
-def test_reads_many_row_groups_streaming(tmp_path: Path) -> None:
+def test_windows_stream_a_file_many_windows_long(tmp_path: Path, monkeypatch) -> None:
+    """A file of 2500 rows in row groups of 300, read in windows of 1000: nothing is read before
+    a window is asked for, a window reads about its own rows (not the file), and columns the job
+    does not use are never read."""
     n = 2500
     path = write(
         tmp_path / "big.parquet",
@@ -167,9 +170,26 @@ def test_reads_many_row_groups_streaming(tmp_path: Path) -> None:
         row_group_size=300,
     )
     ds = InputDataset(InputConfig(path=str(path)))
-    windows = list(ds.iter_windows(1000))
-    assert [len(w) for w in windows] == [1000, 1000, 500]
-    assert windows[-1][-1].id == n - 1
+    read: list[pa.RecordBatch] = []  # every record batch the windows read from the file
+
+    class CountingParquetFile(pq.ParquetFile):
+        def iter_batches(self, *args, **kwargs):
+            for batch in super().iter_batches(*args, **kwargs):
+                read.append(batch)
+                yield batch
+
+    monkeypatch.setattr(pq, "ParquetFile", CountingParquetFile)
+    windows = ds.iter_windows(1000)
+    rows_read = []  # rows read from the file when each window came out
+    sizes = []
+    for window in windows:
+        rows_read.append(sum(b.num_rows for b in read))
+        sizes.append(len(window))
+    assert sizes == [1000, 1000, 500]
+    assert rows_read[0] < 2 * 1000 and rows_read[1] < 3 * 1000  # a window ahead at most
+    assert rows_read[0] < n
+    assert sum(b.num_rows for b in read) == n  # then every row once
+    assert all(b.schema.names == ["id", "prompt"] for b in read)
 
 
 def test_empty_input_is_valid(tmp_path: Path) -> None:

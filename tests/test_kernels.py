@@ -22,6 +22,7 @@ import torch
 
 from batchgen.kernels import choose_num_splits, copy_blocks, paged_attention, store_kv
 from batchgen.kernels.reference import copy_blocks_ref, paged_attention_ref, store_kv_ref
+from tests.optional import require
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -434,9 +435,11 @@ def test_choose_num_splits() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (about 9 GiB)")
+@pytest.mark.gpu
 def test_offsets_past_int32() -> None:
-    """Element offsets above 2**31 (block ids times the block stride): int64 addressing."""
+    """Element offsets above 2**31 (block ids times the block stride): int64 addressing (needs
+    about 9 GiB of GPU memory)."""
+    require("cuda")
     bs, hkv, d = 16, 1, 128
     num_blocks = (2**31) // (bs * hkv * d) + 64
     kv_cache = torch.zeros((1, 2, num_blocks, bs, hkv, d), dtype=BF16, device=DEVICE)
@@ -464,11 +467,11 @@ def test_offsets_past_int32() -> None:
         )
 
 
+@pytest.mark.slow  # about 45 s on two cores with an empty Triton cache
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU run compiles the kernels anyway")
 def test_kernels_compile_for_sm90() -> None:
     """The interpreter accepts code the compiler rejects (e.g. dots under 16 wide), so compile
     every launch configuration for sm_90 through ptxas, without a GPU, in a fresh process."""
-    pytest.importorskip("triton.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run(

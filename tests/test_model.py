@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from batchgen.errors import ModelError
+from batchgen.kernels.reference import paged_attention_ref
 from batchgen.model.attention import (
     AttentionMetadata,
     TorchAttention,
@@ -33,6 +34,8 @@ from batchgen.tiny_model import (
     make_words,
     write_prompts_parquet,
 )
+from tests.hf_reference import hf_logits
+from tests.optional import require
 
 CPU = torch.device("cpu")
 
@@ -51,14 +54,6 @@ CASES: dict[str, tuple[dict, int]] = {
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {name: make_tiny_model(root / name, **kw) for name, (kw, _) in CASES.items()}
-
-
-def hf_logits(model_dir: Path, seqs: list[list[int]]) -> list[torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [hf(torch.tensor([s])).logits[0].float() for s in seqs]
 
 
 def new_cache(model, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -160,12 +155,12 @@ def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def load(model_dir: Path, native: bool, dtype: torch.dtype = torch.float32):
-    """Our model with the C kernels and pre-packed GEMM weights on (when they can be here) or
-    off everywhere (attention, RMSNorm, RoPE, SwiGLU, ``F.linear``: the pure-PyTorch path)."""
-    from batchgen.model import cpu_kernels
-
-    if native and cpu_kernels.load() is None:
-        pytest.skip("the CPU kernels cannot be built here (no C compiler?)")
+    """Our model with the C kernels and pre-packed GEMM weights on (the test fails where they
+    cannot be: tests/optional.py) or off everywhere (attention, RMSNorm, RoPE, SwiGLU,
+    ``F.linear``: the pure-PyTorch path)."""
+    if native:
+        require("cpu_kernels")
+        require("mkl")
     return load_model(model_dir, CPU, dtype, TorchAttention(native=native), native=native)
 
 
@@ -291,26 +286,6 @@ def test_greedy_matches_transformers_generate(model_dirs: dict[str, Path]) -> No
         assert got == ref
 
 
-def reference_attention(q, k_cache, v_cache, meta, scale):
-    """Per-sequence, per-head loop over an explicitly gathered context (the obvious way)."""
-    bs = k_cache.shape[1]
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
-    cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
-    for b, n in enumerate(lens):
-        slots = [int(meta.block_tables[b, i // bs]) * bs + i % bs for i in range(n)]
-        k = k_cache.reshape(-1, hkv, k_cache.shape[-1])[slots]  # [n, Hkv, D]
-        v = v_cache.reshape(-1, hkv, v_cache.shape[-1])[slots]
-        qb = q[cu[b] : cu[b + 1]]  # [q_len, Hq, D]
-        q_pos = torch.arange(n - qb.shape[0], n)
-        mask = torch.arange(n)[None, :] <= q_pos[:, None]  # [q_len, n]
-        for h in range(hq):
-            s = (qb[:, h] @ k[:, h // (hq // hkv)].T) * scale
-            s = s.masked_fill(~mask, float("-inf"))
-            out[cu[b] : cu[b + 1], h] = s.softmax(-1) @ v[:, h // (hq // hkv)]
-    return out
-
-
 @pytest.mark.parametrize("hq,hkv,block_size", [(4, 2, 4), (3, 3, 16), (8, 1, 8)])
 @pytest.mark.parametrize(
     "tuning,native",
@@ -330,11 +305,10 @@ def test_torch_attention_matches_reference(
     unused cache blocks are NaN.
     ``native``: every sequence and every cascade prefix in the C kernels (reading the paged
     cache in place), per token or tiled."""
-    from batchgen.model import cpu_kernels
     from batchgen.model.attention import torch_backend, torch_plan
 
-    if native and cpu_kernels.load() is None:
-        pytest.skip("the CPU attention kernel cannot be built here (no C compiler?)")
+    if native:
+        require("cpu_kernels")
 
     if tuning != "default":
         monkeypatch.setattr(torch_plan, "_CASCADE_MIN_SAVED", 0)  # any shared block: a cascade
@@ -414,7 +388,10 @@ def test_torch_attention_matches_reference(
     # a second layer runs the same plan
     kv_cache2 = kv_cache.clone()
     out2 = backend.forward(q, k, v, kv_cache2[0, 0], kv_cache2[0, 1], plan, 0.3)
-    ref = reference_attention(q, k_cache, v_cache, meta, 0.3)
+    ref = paged_attention_ref(
+        q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, 0.3,
+        meta.max_seqlen_q, meta.max_seqlen_k,
+    )  # fmt: skip
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out2, out)
@@ -629,7 +606,6 @@ def test_layer_implementations_are_chosen_at_load(
 ) -> None:
     """Each layer is built with its implementation: the C kernels and packed GEMMs on CPU fp32,
     torch's fused RMSNorm in fp32 without them, the HF formula in half precision."""
-    from batchgen.model import packed_linear
     from batchgen.model.layers.activation import CpuSiluMul, silu_mul_
     from batchgen.model.layers.linear import Linear, PackedLinear
     from batchgen.model.layers.norm import CpuRMSNorm, FusedRMSNorm, RMSNorm
@@ -643,5 +619,4 @@ def test_layer_implementations_are_chosen_at_load(
     assert all(type(n) is norm_type for n in norms)
     assert isinstance(attn.rope_, CpuRope) if fast else attn.rope_ is rope_
     assert isinstance(mlp.silu_mul_, CpuSiluMul) if fast else mlp.silu_mul_ is silu_mul_
-    packs = fast and packed_linear.load() is not None
-    assert type(attn.qkv_proj) is (PackedLinear if packs else Linear)
+    assert type(attn.qkv_proj) is (PackedLinear if fast else Linear)  # load() required MKL

@@ -11,10 +11,18 @@ from torch import nn
 from batchgen.model import packed_linear
 from batchgen.model.layers.linear import Linear, PackedLinear, pack_linears_
 from batchgen.model.once import Once
+from tests.optional import require
 
 CPU = torch.device("cpu")
-MKL = packed_linear.for_dtype(CPU, torch.float32)
-needs_mkl = pytest.mark.skipif(MKL is None, reason="torch here exports no MKL packed GEMM")
+
+
+@pytest.fixture
+def mkl() -> packed_linear.Mkl:
+    """MKL's packed GEMM; the test fails where torch exports none (tests/optional.py)."""
+    require("mkl")
+    found = packed_linear.for_dtype(CPU, torch.float32)
+    assert found is not None
+    return found
 
 
 def make_linear(n_in: int, n_out: int, bias: bool, seed: int) -> tuple[Linear, nn.Linear]:
@@ -26,9 +34,8 @@ def make_linear(n_in: int, n_out: int, bias: bool, seed: int) -> tuple[Linear, n
     return layer, ref
 
 
-def packed(layer: Linear) -> PackedLinear:
-    assert MKL is not None
-    return PackedLinear(layer.weight, layer.bias, MKL)
+def packed(layer: Linear, mkl: packed_linear.Mkl) -> PackedLinear:
+    return PackedLinear(layer.weight, layer.bias, mkl)
 
 
 def fresh_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,24 +43,22 @@ def fresh_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packed_linear, "_MKL", Once(packed_linear._find))
 
 
-@needs_mkl
 @pytest.mark.parametrize("rows", [0, 1, 7, 64, 257])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear(rows: int, bias: bool) -> None:
+def test_linear_matches_f_linear(mkl: packed_linear.Mkl, rows: int, bias: bool) -> None:
     layer, ref = make_linear(96, 80, bias, seed=rows)
-    p = packed(layer)
+    p = packed(layer, mkl)
     assert p.out_features == 80 and not hasattr(p, "weight")
     h = torch.randn(rows, 96)
     torch.testing.assert_close(p(h), F.linear(h, ref.weight, ref.bias))
 
 
-@needs_mkl
 @pytest.mark.parametrize("bias", [False, True])
-def test_add_in_place_from_a_column_slice(bias: bool) -> None:
+def test_add_in_place_from_a_column_slice(mkl: packed_linear.Mkl, bias: bool) -> None:
     """h a column slice (row stride > width, as SwiGLU's output in gate_up) and x updated in
     place: the GEMM's beta = 1."""
     layer, ref = make_linear(48, 32, bias, seed=3)
-    p = packed(layer)
+    p = packed(layer, mkl)
     wide = torch.randn(70, 2 * 48)
     h = wide[:, :48]
     x = torch.randn(70, 32)
@@ -63,10 +68,9 @@ def test_add_in_place_from_a_column_slice(bias: bool) -> None:
     torch.testing.assert_close(got, expected)
 
 
-@needs_mkl
-def test_non_unit_strides_are_copied_first() -> None:
+def test_non_unit_strides_are_copied_first(mkl: packed_linear.Mkl) -> None:
     layer, ref = make_linear(16, 24, False, seed=4)
-    p = packed(layer)
+    p = packed(layer, mkl)
     h = torch.randn(16, 10).t()  # [10, 16], column-major
     x = torch.randn(24, 10).t()  # [10, 24], column-major: no in-place GEMM into it
     torch.testing.assert_close(p(h), F.linear(h, ref.weight))
@@ -105,8 +109,7 @@ def test_missing_library_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -
     assert packed_linear.for_dtype(CPU, torch.float32) is None
 
 
-@needs_mkl
-def test_model_weights_are_packed(tmp_path) -> None:
+def test_model_weights_are_packed(mkl: packed_linear.Mkl, tmp_path) -> None:
     """load_model packs every projection and the LM head, tied to the embedding or not."""
     from batchgen.model.attention import TorchAttention
     from batchgen.model.loader import load_model

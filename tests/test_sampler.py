@@ -21,6 +21,7 @@ from batchgen.engine.sampler import (
     sample,
     uniform_noise,
 )
+from tests.optional import require
 
 GREEDY = SamplingParams(temperature=0.0)
 PLAIN = SamplingParams(temperature=1.0)
@@ -219,33 +220,81 @@ def test_ties_break_by_lowest_id() -> None:
     assert set(draw_many(row, SamplingParams(top_k=2), n=2000).tolist()) == {1, 3}
 
 
+def reference_kept(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The kept set by a full stable sort (probability descending, vocab id ascending on ties):
+    top-k, then top-p over what top-k kept, then min-p. ``[V]`` bool."""
+    p = torch.softmax(row / params.temperature, -1)
+    order = p.sort(descending=True, stable=True).indices
+    sp = p[order]
+    keep = torch.ones(row.numel(), dtype=torch.bool)
+    if params.top_k:
+        keep[params.top_k :] = False
+    sp = torch.where(keep, sp, 0)
+    if params.top_p < 1:
+        cum = sp.cumsum(0)
+        mass = cum[-1] if params.top_k else 1.0
+        keep &= torch.cat([torch.zeros(1), cum[:-1]]) < params.top_p * mass
+    keep &= sp >= params.min_p * sp[0]
+    kept = torch.zeros_like(keep)
+    kept[order[keep]] = True
+    return kept
+
+
+def kept_by_sampler(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The tokens the sampler keeps, read off its draw: row t of a ``[V, V]`` batch (every row
+    the same logits) gets noise that makes token t win the race ``argmax p_i / E_i`` whenever it
+    survives the filters (``E_t`` about 1e-30, every other ``E_i = ln 2``); a token that does not
+    survive has ``p_t = 0`` and never wins. So token t is drawn in row t iff it is kept. ``[V]``
+    bool."""
+    vocab = row.numel()
+
+    def one_winner_per_row(state: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+        rows = torch.arange(state.shape[0])[:, None]  # [S, 1]: row t favours token t
+        return torch.where(ids == rows, 1e-30, 0.5).float()  # [S, k] uniforms
+
+    kernels = SamplerKernels(uniform_noise=one_winner_per_row)
+    batch = make_batch([params] * vocab, vocab)
+    tokens = sample(row.expand(vocab, -1).contiguous(), batch, kernels=kernels).tokens
+    return tokens == torch.arange(vocab)
+
+
+def tie_cuts(row: torch.Tensor, temperature: float) -> tuple[int, float]:
+    """A top-k and a top-p that cut through a group of tied tokens (equal bf16 logits), so that
+    only the vocab-id order decides which of them are kept."""
+    p = torch.softmax(row / temperature, -1)
+    sp, _ = p.sort(descending=True, stable=True)
+    cum = torch.cat([torch.zeros(1), sp.cumsum(0)])  # mass before each rank
+    ties = [i for i in range(3, row.numel() - 1) if sp[i] == sp[i + 1] and sp[i] > 1e-4]
+    assert len(ties) >= 2, "the row has no ties to cut"
+    k = ties[0] + 1  # keeps rank ties[0], drops its twin ties[0] + 1
+    j = ties[-1]  # top-p keeps rank j (mass before it < top_p) but not j + 1
+    return k, float((cum[j] + cum[j + 1]) / 2)
+
+
 def test_filters_keep_exactly_the_reference_set() -> None:
-    """Kept sets equal a full-sort reference on a 500-token vocabulary, with ties (bf16 logits)."""
-    g = torch.Generator().manual_seed(21)
+    """Kept sets equal a full-sort reference on a 500-token vocabulary, exactly, with ties (bf16
+    logits): top-k and top-p cuts through tied tokens keep the lower vocab ids."""
+    g = torch.Generator().manual_seed(0)  # any seed must pass
     cases = [
         SamplingParams(temperature=1.5, top_p=0.8),
         SamplingParams(temperature=0.7, top_k=40, top_p=0.6),
         SamplingParams(temperature=1.0, min_p=0.02),
         SamplingParams(temperature=2.0, top_p=0.95, min_p=0.01),
+        SamplingParams(temperature=1.0, top_k=7),
     ]
-    for params in cases:
-        row = (torch.randn(500, generator=g) * 2).bfloat16().float()  # many exact ties
-        p = torch.softmax(row / params.temperature, -1)
-        order = p.sort(descending=True, stable=True).indices
-        sp = p[order]
-        keep = torch.ones(500, dtype=torch.bool)
-        if params.top_k:
-            keep[params.top_k :] = False
-        sp = torch.where(keep, sp, 0)
-        if params.top_p < 1:
-            cum = sp.cumsum(0)
-            mass = cum[-1] if params.top_k else 1.0
-            keep &= torch.cat([torch.zeros(1), cum[:-1]]) < params.top_p * mass
-        keep &= sp >= params.min_p * sp[0]
-        want = set(order[keep].tolist())
-        got = set(draw_many(row, params, n=2000).tolist())
-        assert got <= want, params
-        assert len(got) >= min(len(want), 5), params
+    rows = [(torch.randn(500, generator=g) * 2).bfloat16().float() for _ in cases]  # many ties
+    row = rows[0]
+    k, top_p = tie_cuts(row, 1.0)
+    cases += [
+        SamplingParams(temperature=1.0, top_k=k),
+        SamplingParams(temperature=1.0, top_p=top_p),
+    ]
+    rows += [row, row]
+    for row, params in zip(rows, cases, strict=True):
+        want = reference_kept(row, params)
+        assert 0 < int(want.sum()) < 500, params  # the filter cuts somewhere
+        got = kept_by_sampler(row, params)
+        assert torch.equal(got, want), (params, got.nonzero().flatten(), want.nonzero().flatten())
 
 
 def test_min_p_filters() -> None:
@@ -467,8 +516,9 @@ def test_mixed_greedy_and_random_rows() -> None:
     assert out.tokens[[0, 2, 3]].tolist() == argmax[[0, 2, 3]].tolist()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_matches_cpu() -> None:
+    require("cuda")
     keys = torch.tensor([rng_key(0, i, 0) for i in range(64)])
     pos = torch.arange(64)
     assert torch.equal(

@@ -80,6 +80,11 @@ class FakeRunner:
         return finished
 
 
+def outputs_fed_back(results) -> int:
+    """Output tokens the runner computed: each sequence's outputs but its last (never fed back)."""
+    return sum(len(s.output_ids) - 1 for s in results.values())
+
+
 def run_all(
     requests,
     *,
@@ -201,7 +206,9 @@ def test_fork_shares_prompt_blocks_and_copies_on_write():
         for seq in runner.step():
             results[(0, seq.targets[0].sample_index)] = seq
     check_against_reference([req], results)
-    # Only the first sample is charged for the prompt.
+    # The runner computed the prompt once (every output token but the last is fed back) ...
+    assert runner.computed_tokens - outputs_fed_back(results) == len(prompt)
+    # ... and only the first sample is charged for it.
     assert sorted(s.num_cached_tokens for s in results.values()) == [0, 10, 10, 10]
 
 
@@ -217,11 +224,13 @@ def test_shared_prefix_is_computed_once(template_len: int, copies: int):
     ]
     results, _, runner = run_all(reqs, num_blocks=200, block_size=bs, budget=256, max_num_seqs=16)
     check_against_reference(reqs, results)
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
-    cached = sum(s.num_cached_tokens for s in results.values())
-    # Ideal: the template once plus each row's two own tokens.
-    assert prompt_tokens - cached == template_len + 10 * 2
+    # Ideal: the template once plus each row's two own tokens, counted by the runner.
+    computed = runner.computed_tokens - outputs_fed_back(results)
+    assert computed == template_len + 10 * 2
     assert sum(runner.copies_per_step) == copies
+    # The rows' num_cached_tokens account for exactly the prompt tokens not computed.
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
+    assert prompt_tokens - sum(s.num_cached_tokens for s in results.values()) == computed
 
 
 def test_partial_copy_is_dropped_when_its_source_is_the_room_needed():
@@ -252,6 +261,32 @@ def test_partial_copy_is_dropped_when_its_source_is_the_room_needed():
 
 
 @pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("prompt_len", [8, 9, 10, 11])
+def test_identical_prompts_and_forks_compute_the_prompt_once(prompt_len, n, caching):
+    """Five requests with one prompt, n samples each. The runner's own count: with the prefix
+    cache, the prompt's full blocks are computed once; a later request computes its tail past the
+    last full block (the first request's partial block is cached only once full), at least its
+    last token (whose logits are needed; for a prompt of whole blocks the tokens before it in its
+    last block are copied out of the cached block). Without the cache each request computes the prompt, its n forks share it. The rows'
+    num_cached_tokens account for exactly the prompt tokens not computed."""
+    bs, requests = 4, 5
+    prompt = tuple(range(1, prompt_len + 1))
+    params = SamplingParams(n=n, max_tokens=4, ignore_eos=True)
+    reqs = [
+        Request(prompt, params, tuple(SampleTarget(r, k, r * 10 + k) for k in range(n)))
+        for r in range(requests)
+    ]
+    results, _, runner = run_all(reqs, block_size=bs, max_num_seqs=16, caching=caching)
+    check_against_reference(reqs, results)
+    computed = runner.computed_tokens - outputs_fed_back(results)
+    later = max(1, prompt_len % bs) if caching else prompt_len
+    assert computed == prompt_len + (requests - 1) * later
+    cached = sum(s.num_cached_tokens for s in results.values())
+    assert requests * n * prompt_len - cached == computed
+
+
+@pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("folded", [False, True])
 def test_forks_never_exceed_max_num_seqs_and_the_prompt_is_computed_once(caching, folded):
     """One prompt with n=600, or 300 identical rows with n=2 folded into one request, under
@@ -272,9 +307,9 @@ def test_forks_never_exceed_max_num_seqs_and_the_prompt_is_computed_once(caching
     check_against_reference([req], results)
     assert len(results) == 600
     assert max(runner.sampled_per_step) == sched.peak_num_seqs == max_num_seqs
-    decoded = sum(len(s.output_ids) - 1 for s in results.values())  # the last token is not fed
     groups = -(-600 // max_num_seqs)
-    assert runner.computed_tokens - decoded == len(prompt) + (groups - 1)
+    computed = runner.computed_tokens - outputs_fed_back(results)
+    assert computed == len(prompt) + (groups - 1)
 
 
 def test_check_rejects_block_copies_that_cannot_run_as_one_set():

@@ -1,0 +1,43 @@
+"""transformers as the independent reference: greedy continuations and teacher-forced logits of
+the tiny models (fp32), and the architectures the engine and job tests build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# arch -> make_tiny_model kwargs: GQA with a head_dim that is not hidden/heads (llama), MHA with
+# tied embeddings (mistral), MQA (qwen2), q/k norms with 8 heads (qwen3)
+ARCHS: dict[str, dict] = {
+    "llama": dict(num_heads=4, num_kv_heads=2, head_dim=24),
+    "mistral": dict(num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
+    "qwen2": dict(num_heads=4, num_kv_heads=1),
+    "qwen3": dict(num_heads=8, num_kv_heads=2, head_dim=16),
+}
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy ``generate`` of each prompt alone: the new token ids (up to
+    ``max_new``, ending early at the model's EOS)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            y = hf.generate(
+                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new
+            )
+        outs.append(y[0, len(ids) :].tolist())
+    return outs
+
+
+def hf_logits(model_dir: Path, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' teacher-forced logits of each sequence alone, ``[len, vocab]`` fp32."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [hf(torch.tensor([s])).logits[0].float() for s in seqs]
