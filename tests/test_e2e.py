@@ -115,6 +115,7 @@ def test_one_text_token_prompts_and_tight_memory_match_ample_memory(tiny_model, 
     assert report["cpu_kernels"] is (cpu_kernels.load() is not None)
 
 
+@pytest.mark.slow  # ~40 s on two busy cores: three runs, one in batches of 3
 def test_sampling_is_independent_of_order_and_engine_settings(tiny_model, tmp_path):
     """Same samples (up to near-tie flips) with the rows reversed and every engine setting
     changed; any seed must pass."""
