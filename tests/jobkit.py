@@ -95,3 +95,36 @@ def read_results(out: Path) -> list[dict]:
 def run_job(job: Path, *extra: str) -> list[dict]:
     run_cli("run", str(job), "--quiet", *extra)
     return read_results(job.parent / yaml.safe_load(job.read_text())["output"]["path"])
+
+
+def invoke(*args: Any):
+    """Run the CLI in this process and return click's Result, whatever the exit code."""
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def refusal(result) -> str:
+    """The one stderr line of an exit-2 refusal (asserted: exit 2, no traceback, one line)."""
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert "Traceback" not in result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def manifest_of(out: Path) -> dict[str, Any] | None:
+    """The output folder's manifest, or None while there is none (or it is being replaced)."""
+    import json
+
+    from batchgen.results import MANIFEST_NAME
+
+    try:
+        return json.loads((out / MANIFEST_NAME).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def committed_rows(out: Path) -> int:
+    """Input rows the manifest lists as committed (0 without a manifest)."""
+    m = manifest_of(out)
+    return m["totals"]["rows"] if m else 0

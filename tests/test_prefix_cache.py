@@ -1,5 +1,6 @@
-"""The radix prefix cache through whole jobs: shuffled template rows computed about once,
-identical results with caching on and off, eviction under a small pool."""
+"""The radix prefix cache through whole jobs: shuffled template rows computed about once, the
+same results (up to near-tie flips, tests/ties.py) with caching on and off and under a small pool
+that evicts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from transformers import AutoTokenizer
 
 from batchgen.tiny_model import make_words
 from tests.jobkit import run_job, write_job
+from tests.ties import compare_samples
 
 ARCH = dict(num_heads=4, num_kv_heads=2, max_position_embeddings=1024)
 
@@ -55,6 +57,12 @@ def ideal_prompt_tokens(tok, table) -> int:
     return total
 
 
+def prompts_of(table: pa.Table) -> dict[int, str]:
+    return dict(
+        zip(table.column("id").to_pylist(), table.column("prompt").to_pylist(), strict=True)
+    )
+
+
 def computed(rows) -> int:
     return sum(r["num_prompt_tokens"] - r["num_cached_tokens"] for r in rows)
 
@@ -90,7 +98,8 @@ def test_shuffled_templates_are_computed_about_once(tiny_model, tmp_path):
     # (2773 computed against 2778 here: the templates also share their first token)
     assert computed(on) <= 1.02 * ideal, (computed(on), ideal, prompt_tokens)
     assert computed(off) == prompt_tokens
-    assert [r["token_ids"] for r in on] == [r["token_ids"] for r in off]
+    prompts = prompts_of(table)
+    compare_samples(on, off, model=model, prompts=prompts, sampling=sampling)
     report = json.loads((tmp_path / "on" / "out" / "_report.json").read_text())
     assert report["cached_prompt_tokens"] == prompt_tokens - computed(on)
     assert 0 < report["kv_waste"] < 0.5
@@ -100,7 +109,7 @@ def test_shuffled_templates_are_computed_about_once(tiny_model, tmp_path):
 def test_small_pool_evicts_and_gives_identical_results(tiny_model, tmp_path):
     model = tiny_model("llama", **ARCH)
     table = template_table(num_templates=4, rows_per=6, seed=1)
-    sampling = {"temperature": 0.7, "max_tokens": 12, "n": 2, "seed": 9}
+    sampling = {"temperature": 0.7, "max_tokens": 12, "n": 2, "seed": 0}  # any seed must pass
     big = run_job(
         write_job(tmp_path / "big", model, table=table, sampling=sampling, engine={"block_size": 8})
     )
@@ -112,6 +121,7 @@ def test_small_pool_evicts_and_gives_identical_results(tiny_model, tmp_path):
         engine={"block_size": 8, "kv_cache_blocks": 48, "max_num_seqs": 4},
     )
     small = run_job(small_job)
-    assert [r["token_ids"] for r in small] == [r["token_ids"] for r in big]
+    prompts = prompts_of(table)
+    compare_samples(small, big, model=model, prompts=prompts, sampling=sampling)
     report = json.loads((tmp_path / "small" / "out" / "_report.json").read_text())
     assert report["evicted_kv_blocks"] > 0
