@@ -6,6 +6,7 @@ The one place for these: test files import from here, never from each other.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 from click.testing import CliRunner, Result
 
 from batchgen.cli import main
+from batchgen.results import MANIFEST_NAME
 
 
 def write_job(
@@ -97,27 +99,15 @@ def run_job(job: Path, *extra: str) -> list[dict]:
     return read_results(job.parent / yaml.safe_load(job.read_text())["output"]["path"])
 
 
-def invoke(*args: Any):
-    """Run the CLI in this process and return click's Result, whatever the exit code."""
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def refusal(result) -> str:
+def refusal(result: Result) -> str:
     """The one stderr line of an exit-2 refusal (asserted: exit 2, no traceback, one line)."""
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    assert "Traceback" not in result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    return lines[0]
+    line = one_line(result, 2)
+    assert line.startswith("error: "), line
+    return line
 
 
 def manifest_of(out: Path) -> dict[str, Any] | None:
     """The output folder's manifest, or None while there is none (or it is being replaced)."""
-    import json
-
-    from batchgen.results import MANIFEST_NAME
-
     try:
         return json.loads((out / MANIFEST_NAME).read_text())
     except (FileNotFoundError, json.JSONDecodeError):

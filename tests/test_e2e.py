@@ -9,19 +9,13 @@ import sys
 
 import pyarrow as pa
 import pytest
-import torch
 
 from batchgen.model import cpu_kernels
 from batchgen.tiny_model import END_OF_TURN_ID, EOS_ID, make_prompts
+from tests.hf_reference import ARCHS, hf_greedy
 from tests.jobkit import read_results, run_job, write_job
 from tests.ties import compare_samples
 
-ARCHS = {
-    "llama": dict(num_heads=4, num_kv_heads=2, head_dim=24),
-    "mistral": dict(num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
-    "qwen2": dict(num_heads=4, num_kv_heads=1),
-    "qwen3": dict(num_heads=8, num_kv_heads=2, head_dim=16),
-}
 BLOCK = 4
 
 
@@ -39,21 +33,6 @@ def prompts_with_lengths(tokenizer, wanted: list[int], seed: int = 0) -> list[st
     out = [by_len[w] for w in wanted]
     rng.shuffle(out)
     return out
-
-
-def hf_greedy(model_dir, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    for ids in prompt_ids:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            y = hf.generate(
-                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new
-            )
-        outs.append(y[0, len(ids) :].tolist())
-    return outs
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

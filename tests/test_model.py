@@ -35,6 +35,7 @@ from batchgen.tiny_model import (
     write_prompts_parquet,
 )
 from tests.hf_reference import hf_logits
+from tests.jobkit import copy_model
 from tests.optional import require
 
 CPU = torch.device("cpu")
@@ -528,10 +529,6 @@ def test_tiny_model_round_trip(model_dirs: dict[str, Path], tmp_path: Path) -> N
 # ---------------------------------------------------------------------------------- errors
 
 
-def _copy_model(src: Path, dst: Path) -> Path:
-    return shutil.copytree(src, dst)
-
-
 def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     backend = TorchAttention()
 
@@ -546,12 +543,12 @@ def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="config.json not found"):
         load(empty)
 
-    bad_json = _copy_model(model_dirs["mistral"], tmp_path / "bad_json")
+    bad_json = copy_model(model_dirs["mistral"], tmp_path, "bad_json")
     (bad_json / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match="invalid config.json"):
         load(bad_json)
 
-    gpt2 = _copy_model(model_dirs["mistral"], tmp_path / "gpt2")
+    gpt2 = copy_model(model_dirs["mistral"], tmp_path, "gpt2")
     cfg = json.loads((gpt2 / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (gpt2 / "config.json").write_text(json.dumps(cfg))
@@ -560,12 +557,12 @@ def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     ):
         read_model_info(gpt2)
 
-    no_weights = _copy_model(model_dirs["mistral"], tmp_path / "no_weights")
+    no_weights = copy_model(model_dirs["mistral"], tmp_path, "no_weights")
     (no_weights / "model.safetensors").unlink()
     with pytest.raises(ModelError, match="no weights"):
         load(no_weights)
 
-    truncated = _copy_model(model_dirs["mistral"], tmp_path / "truncated")
+    truncated = copy_model(model_dirs["mistral"], tmp_path, "truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(
@@ -575,19 +572,19 @@ def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    missing = _copy_model(model_dirs["mistral"], tmp_path / "missing")
+    missing = copy_model(model_dirs["mistral"], tmp_path, "missing")
     tensors = load_file(missing / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, missing / "model.safetensors")
     with pytest.raises(ModelError, match="tensor model.layers.1.mlp.up_proj.weight missing"):
         load(missing)
 
-    bad_shard = _copy_model(model_dirs["llama"], tmp_path / "bad_shard")
+    bad_shard = copy_model(model_dirs["llama"], tmp_path, "bad_shard")
     next(bad_shard.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(ModelError, match="weight shard .* not found"):
         load(bad_shard)
 
-    no_tok = _copy_model(model_dirs["mistral"], tmp_path / "no_tok")
+    no_tok = copy_model(model_dirs["mistral"], tmp_path, "no_tok")
     (no_tok / "tokenizer.json").unlink()
     with pytest.raises(ModelError, match="no tokenizer"):
         load_tokenizer(no_tok)
