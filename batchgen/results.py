@@ -487,14 +487,6 @@ class PartWriter:
         self._groups = 0  # input rows in the buffer
         self._last_commit = clock()
 
-    @property
-    def buffered_samples(self) -> int:
-        return len(self._rows)
-
-    @property
-    def buffered_rows(self) -> int:
-        return self._groups
-
     def add_row_group(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Buffer all sample rows of ONE input row (dicts keyed by schema column names)."""
         if not rows:

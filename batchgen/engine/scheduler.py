@@ -350,16 +350,16 @@ class Scheduler:
     def _make_free(self, n: int, keep: Sequence | None = None) -> bool:
         """Get ``n`` blocks free: evict cached blocks, then unpark parked sequences (but
         ``keep``), newest first; False if that is not enough (a running sequence must go)."""
-        if n <= self.pool.num_free:
+        if self.pool.can_allocate(n):
             return True
         self.num_evicted_blocks += self.cache.evict(n - self.pool.num_free)
-        if n <= self.pool.num_free or self._num_parked == 0:
-            return n <= self.pool.num_free
+        if self.pool.can_allocate(n) or self._num_parked == 0:
+            return self.pool.can_allocate(n)
         for seq in reversed(self.waiting):
             if seq.num_computed and seq is not keep:
                 self._unpark(seq)
                 self.num_evicted_blocks += self.cache.evict(max(0, n - self.pool.num_free))
-                if n <= self.pool.num_free:
+                if self.pool.can_allocate(n):
                     return True
         return False
 
