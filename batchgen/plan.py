@@ -21,7 +21,8 @@ import torch
 from batchgen.engine.engine import EngineConfig
 from batchgen.engine.request import SamplingParams
 from batchgen.errors import JobError
-from batchgen.job import Job, numerics
+from batchgen.fingerprint import numerics
+from batchgen.job import Job
 from batchgen.model.config import ModelInfo
 from batchgen.results import read_manifest
 

@@ -56,7 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import JobError, OutputFullError
-from batchgen.job import describe_fingerprint_mismatch
+from batchgen.fingerprint import describe_fingerprint_mismatch
 from batchgen.schema import Totals
 from batchgen.storage import fsync_dir, json_bytes, lock_folder, now_iso, write_durably
 

@@ -18,7 +18,8 @@ from tqdm import tqdm
 from batchgen.dataset import InputDataset
 from batchgen.errors import JobError
 from batchgen.executors import Executor
-from batchgen.job import Job, describe_fingerprint_mismatch, fingerprint
+from batchgen.fingerprint import describe_fingerprint_mismatch, fingerprint
+from batchgen.job import Job
 from batchgen.model.config import read_model_info
 from batchgen.model.loader import check_model, load_tokenizer, model_identity
 from batchgen.plan import (

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from batchgen.engine import sampler
+from batchgen.engine import noise, sampler
 from batchgen.model import cpu_kernels
 from batchgen.model.attention import TorchAttention
 from batchgen.model.attention.torch_plan import Cascade as _Cascade
@@ -176,7 +176,7 @@ def bench_decode(kern: cpu_kernels.CpuKernels, reps: int) -> list[dict]:
     ]
 
 
-def bench_sampler(reps: int) -> list[dict]:
+def bench_sampler(kern: cpu_kernels.CpuKernels, reps: int) -> list[dict]:
     gen = torch.Generator().manual_seed(2)
     r = 512
     logits = torch.randn(r, VOCAB, generator=gen) * 3
@@ -186,13 +186,16 @@ def bench_sampler(reps: int) -> list[dict]:
 
     def torch_path() -> torch.Tensor:
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
-        noise = sampler.uniform_noise(key, pos, VOCAB).neg_().log1p_().neg_()
-        return probs.div_(noise).argmax(-1)
+        exp = noise.uniform_noise(key, pos, VOCAB).neg_().log1p_().neg_()
+        return probs.div_(exp).argmax(-1)
 
-    c_tokens = sampler._draw_plain(logits, temperature, key, pos)
+    native = noise.SamplerKernels(uniform_noise=kern.uniform_noise, race_draw=kern.race_draw)
+    c_tokens = sampler._draw_plain(logits, temperature, key, pos, native)
     agree = float((c_tokens == torch_path()).float().mean())
     times = {
-        "c_fused": median_ms(lambda: sampler._draw_plain(logits, temperature, key, pos), reps),
+        "c_fused": median_ms(
+            lambda: sampler._draw_plain(logits, temperature, key, pos, native), reps
+        ),
         "torch": median_ms(torch_path, reps),
     }
     return [dict(case=f"sampler draw {r} x {VOCAB}, temperature only", **times, agree=agree)]
@@ -212,7 +215,7 @@ def main() -> None:
         bench_prefill(kern, args.reps)
         + bench_prefix(kern, args.reps)
         + bench_decode(kern, args.reps)
-        + bench_sampler(args.reps)
+        + bench_sampler(kern, args.reps)
     )
     for row in results:
         cells = [f"{k} {v:.2f}" if isinstance(v, float) else str(v) for k, v in row.items()]

@@ -14,9 +14,9 @@ import threading
 import pytest
 import torch
 
-from batchgen.engine import sampler
+from batchgen.engine import noise, sampler
+from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels
 from batchgen.engine.request import SamplingParams
-from batchgen.engine.sampler import TORCH_FORMULA, SamplerKernels
 from batchgen.kernels.reference import paged_attention_ref, store_kv_ref
 from batchgen.model import cpu_kernels
 from batchgen.model.cpu_kernels import CpuKernels
@@ -283,12 +283,12 @@ def test_uniform_noise_bit_identical_to_torch(kernel: CpuKernels) -> None:
     cand = torch.randint(0, 150_000, (33, 70), generator=gen)
     native = native_sampler_kernels(kernel)
     got = [
-        sampler.uniform_noise(keys, pos, 4099, native),
-        sampler._uniform_at(keys, pos, cand, native),
+        noise.uniform_noise(keys, pos, 4099, native),
+        noise.uniform_at(keys, pos, cand, native),
     ]
     want = [
-        sampler.uniform_noise(keys, pos, 4099, TORCH_FORMULA),
-        sampler._uniform_at(keys, pos, cand, TORCH_FORMULA),
+        noise.uniform_noise(keys, pos, 4099, TORCH_FORMULA),
+        noise.uniform_at(keys, pos, cand, TORCH_FORMULA),
     ]
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
@@ -365,10 +365,10 @@ def test_race_draw_matches_float64_race(kernel: CpuKernels, vocab: int) -> None:
     temperature = torch.rand(rows, generator=gen) * 1.5 + 0.05
     keys = torch.randint(0, 2**63 - 1, (rows,), generator=gen)
     pos = torch.randint(0, 10**6, (rows,), generator=gen)
-    state = sampler._row_state(keys, pos)
+    state = noise.row_state(keys, pos)
     got = kernel.race_draw(logits, temperature, state)
 
-    u = sampler.uniform_noise(keys, pos, vocab).double()
+    u = noise.uniform_noise(keys, pos, vocab).double()
     s = logits.double() / temperature.double()[:, None]
     ratio = (s - s.amax(1, keepdim=True)).exp() / -torch.log1p(-u)  # [S, V]
     want = ratio.argmax(1)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from batchgen.engine.engine import Engine, EngineConfig
+from batchgen.engine.noise import rng_key
 from batchgen.engine.request import FinishReason, Request, SampleTarget, SamplingParams
-from batchgen.engine.sampler import rng_key
 from batchgen.model.attention import make_attention_backend
 from batchgen.model.loader import load_model
 from tests.hf_reference import ARCHS, hf_greedy
@@ -281,7 +281,7 @@ def test_many_samples_of_one_prompt_respect_max_num_seqs(tiny_model, folded):
 def test_engine_gives_the_sampler_the_c_kernels_on_a_cpu(tiny_model, monkeypatch):
     """On a CPU the sampler gets the C noise and race; where they cannot be built, the PyTorch
     formula."""
-    from batchgen.engine.sampler import TORCH_FORMULA
+    from batchgen.engine.noise import TORCH_FORMULA
     from batchgen.model import cpu_kernels
 
     require("cpu_kernels")

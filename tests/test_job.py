@@ -9,13 +9,8 @@ import yaml
 from pydantic import ValidationError
 
 from batchgen.errors import JobError
-from batchgen.job import (
-    Job,
-    describe_fingerprint_mismatch,
-    fingerprint,
-    load_job,
-    parse_memory,
-)
+from batchgen.fingerprint import describe_fingerprint_mismatch, fingerprint
+from batchgen.job import Job, load_job, parse_memory
 from tests.jobkit import write_job_file
 
 MINIMAL = "model: models/tiny\ninput:\n  path: data/p.parquet\noutput:\n  path: out/run\n"

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     import batchgen.kernels.reference  # the PyTorch twins need no Triton
     from batchgen.engine.engine import Engine, EngineConfig
     from batchgen.engine.request import Request, SampleTarget, SamplingParams
-    from batchgen.engine.sampler import rng_key
+    from batchgen.engine.noise import rng_key
     from batchgen.model.attention import make_attention_backend
     from batchgen.model.loader import load_model
     from batchgen.tiny_model import make_tiny_model

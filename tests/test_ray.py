@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from batchgen.errors import JobError
-from batchgen.job import ExecutorConfig, fingerprint, load_job
+from batchgen.fingerprint import fingerprint
+from batchgen.job import ExecutorConfig, load_job
 from batchgen.results import MANIFEST_NAME, REPORT_NAME, OutputFolder, totals_of
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import committed_rows, manifest_of, read_results, run_cli, write_job

@@ -10,17 +10,9 @@ import sys
 import pytest
 import torch
 
+from batchgen.engine.noise import SamplerKernels, _mix64, rng_key, uniform_at, uniform_noise
 from batchgen.engine.request import SamplingParams
-from batchgen.engine.sampler import (
-    SamplerKernels,
-    SamplingBatch,
-    _mix64,
-    _uniform_at,
-    apply_penalties,
-    rng_key,
-    sample,
-    uniform_noise,
-)
+from batchgen.engine.sampler import SamplingBatch, apply_penalties, sample
 from tests.optional import require
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -99,15 +91,15 @@ def test_rng_key_is_pinned_and_typed() -> None:
 def test_rng_key_independent_of_hash_seed() -> None:
     # rng_key's own source, run in fresh interpreters with different string-hash salts (without
     # importing torch, to keep this fast).
-    from batchgen.engine import sampler
+    from batchgen.engine import noise
 
     code = "\n".join(
         [
             "from __future__ import annotations",
             "import hashlib, json, operator",
-            f"_KEY_DOMAIN = {sampler._KEY_DOMAIN!r}",
-            f"_MASK63 = {sampler._MASK63}",
-            inspect.getsource(sampler.rng_key),
+            f"_KEY_DOMAIN = {noise._KEY_DOMAIN!r}",
+            f"_MASK63 = {noise._MASK63}",
+            inspect.getsource(noise.rng_key),
             "print(rng_key(1234, 'row-42', 3))",
         ]
     )
@@ -159,7 +151,7 @@ def test_uniform_noise_range_determinism_and_independence() -> None:
     # Noise hashed at a permutation of the ids equals the permuted full noise.
     perm = torch.randperm(1000, generator=torch.Generator().manual_seed(3))
     ids = perm.expand(64, -1)
-    assert torch.equal(_uniform_at(keys, pos, ids), u.gather(1, ids))
+    assert torch.equal(uniform_at(keys, pos, ids), u.gather(1, ids))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen.engine.sampler import rng_key
+from batchgen.engine.noise import rng_key
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import run_job, write_job
 from tests.ties import STATS, TIE_EPS, _reference, _scores, compare_samples

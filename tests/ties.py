@@ -9,7 +9,7 @@ allowance measurable instead of hiding it behind a seed chosen to avoid ties:
   (Hugging Face transformers in float32, teacher-forced on the prompt and the common prefix)
   scores every token the way the sampler ranks them: the logit for greedy samples, the race score
   ``log p_i - log E_i`` for random ones (``E_i``: the sample's own exponential noise at that
-  position, from :func:`batchgen.engine.sampler.uniform_noise`). The divergence is a near-tie iff
+  position, from :func:`batchgen.engine.noise.uniform_noise`). The divergence is a near-tie iff
   both tokens are the reference's top two and their scores are within ``eps`` (relative to the
   larger magnitude, at least 1). Anything else fails the comparison.
 - The exempt share of samples must stay below ``max_share``.
@@ -66,7 +66,7 @@ def _scores(
     logits: torch.Tensor, sampling: Mapping[str, Any], key: int, position: int
 ) -> torch.Tensor:
     """[V] scores whose argmax is the sampler's choice (before filtering)."""
-    from batchgen.engine.sampler import uniform_noise
+    from batchgen.engine.noise import uniform_noise
 
     temperature = float(sampling.get("temperature", 1.0))
     if temperature == 0.0:
@@ -113,7 +113,7 @@ def compare_samples(
     ``prompts``: id -> prompt text (tokenized as batchgen does); ``sampling``: the job's
     ``sampling`` section (``seed``, ``temperature``, ``top_p`` ...).
     """
-    from batchgen.engine.sampler import rng_key
+    from batchgen.engine.noise import rng_key
 
     for key in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
         assert sampling.get(key) in (None, 0.0, 1.0), f"compare_samples does not model {key}"

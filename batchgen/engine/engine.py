@@ -9,9 +9,10 @@ import torch
 
 from batchgen.engine.batch import build_step
 from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels
 from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import Request, SampleResult, Sequence
-from batchgen.engine.sampler import TORCH_FORMULA, SamplerKernels, SamplingBatch, sample
+from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
 from batchgen.engine.stop import StopStrings
 from batchgen.model import cpu_kernels

@@ -8,6 +8,10 @@ newest running sequences are preempted: their blocks are released and they are r
 one sequence per target when its prompt is done; no step samples more than ``max_num_seqs``
 sequences: a request with more targets than free slots is split, and the later parts reuse the
 prompt's KV (see ``Sequence``). No torch here: the scheduler is plain data.
+
+One noun in one file (about 530 lines): admission, the token budget, forks, parking and
+preemption share the block accounting that ``check`` asserts, and split apart they would each
+have to re-derive it.
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ from typing import Any
 
 from batchgen.dataset import InputRow
 from batchgen.engine.engine import Engine
+from batchgen.engine.noise import rng_key
 from batchgen.engine.request import FinishReason, Request, SampleResult, SampleTarget
-from batchgen.engine.sampler import rng_key
+from batchgen.fingerprint import numerics
 from batchgen.host_memory import keep_freed_memory
-from batchgen.job import Job, numerics
+from batchgen.job import Job
 from batchgen.model import cpu_kernels
 from batchgen.model.attention import make_attention_backend
 from batchgen.model.config import ModelInfo

@@ -26,7 +26,7 @@ output folder; the *workers* (Ray actors, one engine each) only generate.
   committed parts, exactly once.
 
 Results equal the local executor's: a sample's random stream comes from (seed, id,
-sample_index) (:func:`batchgen.engine.sampler.rng_key`), never from its worker or neighbours.
+sample_index) (:func:`batchgen.engine.noise.rng_key`), never from its worker or neighbours.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ from ray.exceptions import (
 from batchgen.errors import BatchgenError, JobError
 from batchgen.executors.ray_worker import Chunk, Worker
 from batchgen.executors.sharding import Planner, PrefixGroup, common_prefix
-from batchgen.job import ExecutorConfig, Job, numerics
+from batchgen.fingerprint import numerics
+from batchgen.job import ExecutorConfig, Job
 from batchgen.prompts import EncodedRow
 from batchgen.schema import RowGroup, Totals
 

@@ -1,0 +1,80 @@
+"""A job's fingerprint: what decides its results, recorded in the output folder's manifest.
+
+A resume is allowed only into a folder of the same fingerprint. It covers the model (config,
+weights, tokenizer), the input files and column settings, the sampling settings, and the numerics
+the engines resolved (``numerics``: ``dtype=...``); the other engine, executor and output settings
+change how, not what, so a job may resume with others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from batchgen.job import Job
+
+FINGERPRINT_KEYS = ("model", "input", "sampling", "numerics")
+# Kept readable rather than hashed: a mismatch names both values.
+_PLAIN_KEYS = ("numerics",)
+
+
+def _digest(obj: Any) -> str:
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def numerics(dtype: str) -> str:
+    """The numerics a job runs with, resolved (never ``auto``), as the fingerprint records them:
+    ``dtype=float32``. kv_cache_dtype, once it exists, is one more key here."""
+    values = {"dtype": dtype}
+    return ",".join(f"{k}={v}" for k, v in values.items())
+
+
+def fingerprint(
+    job: Job,
+    model_identity: str,
+    input_identity: str,
+    numerics: str | None = None,
+) -> dict[str, str]:
+    """What decides a job's results, as short hashes under ``model``, ``input``, ``sampling``,
+    and under ``numerics`` (when given, see :func:`numerics`) the resolved numerics as text,
+    e.g. ``dtype=float32``.
+
+    ``model_identity`` (config, weights, tokenizer) and ``input_identity`` (the files) come from
+    whoever inspected them; the input column settings are added here. The other engine settings,
+    executor and output settings are deliberately left out: they change how, not what, so a job
+    may resume with others.
+    """
+    columns = {
+        "prompt_column": job.input.prompt_column,
+        "messages_column": job.input.messages_column,
+        "id_column": job.input.id_column,
+        "keep_columns": list(job.input.keep_columns),
+    }
+    fp = {
+        "model": _digest(model_identity),
+        "input": _digest({"identity": input_identity, "columns": columns}),
+        "sampling": _digest(job.sampling.model_dump(mode="json")),
+    }
+    if numerics is not None:
+        fp["numerics"] = numerics
+    return fp
+
+
+def describe_fingerprint_mismatch(old: Mapping[str, str], new: Mapping[str, str]) -> str:
+    """``"sampling, input differ"``-style text naming the parts of two fingerprints that differ
+    (a key present in only one of them differs)."""
+    keys = [k for k in FINGERPRINT_KEYS if k in old or k in new]
+    keys += sorted(k for k in {*old, *new} if k not in FINGERPRINT_KEYS)
+    differing = [k for k in keys if old.get(k) != new.get(k)]
+    if not differing:
+        return "nothing differs"
+    text = f"{', '.join(differing)} differ{'s' if len(differing) == 1 else ''}"
+    shown = [
+        f"{k}: {old.get(k) or 'not recorded'} in the folder, {new.get(k) or 'not recorded'} now"
+        for k in differing
+        if k in _PLAIN_KEYS
+    ]
+    return f"{text} ({'; '.join(shown)})" if shown else text
