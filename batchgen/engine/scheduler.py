@@ -25,6 +25,7 @@ from batchgen.engine.radix_cache import PrefixCache
 from batchgen.engine.request import (
     FinishReason,
     Request,
+    SampleTarget,
     Sequence,
 )
 from batchgen.engine.stop import StopStrings
@@ -222,15 +223,23 @@ class Scheduler:
 
     def _split(self, seq: Sequence, k: int) -> Sequence:
         """A new sequence for the first ``k`` targets of waiting ``seq``, holding what ``seq``
-        holds (one more reference and lock); the caller moves the targets once it is admitted."""
+        holds; the caller moves the targets once it is admitted."""
+        return self._share(seq, seq.targets[:k], num_cached_tokens=None)
+
+    def _share(
+        self, seq: Sequence, targets: tuple[SampleTarget, ...], num_cached_tokens: int | None
+    ) -> Sequence:
+        """A sequence for ``targets`` with ``seq``'s tokens and progress, holding what ``seq``
+        holds (one more reference on each block and one more radix lock, once computed)."""
         part = Sequence(
             request=seq.request,
-            targets=seq.targets[:k],
+            targets=targets,
             token_ids=list(seq.token_ids),
             num_prompt_tokens=seq.num_prompt_tokens,
             cache_handle=seq.cache_handle,
             num_computed=seq.num_computed,
             block_table=list(seq.block_table),
+            num_cached_tokens=num_cached_tokens,
             num_blocks_in_cache=seq.num_blocks_in_cache,
         )
         if seq.num_computed:
@@ -425,22 +434,8 @@ class Scheduler:
             return [seq]
         children = [seq]
         for target in seq.targets[1:]:
-            self.pool.incref(seq.block_table)
-            self.cache.lock(seq.cache_handle)
-            children.append(
-                Sequence(
-                    request=seq.request,
-                    targets=(target,),
-                    token_ids=list(seq.token_ids),
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    cache_handle=seq.cache_handle,
-                    num_computed=seq.num_computed,
-                    block_table=list(seq.block_table),
-                    # Only the first sample is charged for computing the prompt.
-                    num_cached_tokens=seq.num_prompt_tokens,
-                    num_blocks_in_cache=seq.num_blocks_in_cache,
-                )
-            )
+            # Only the first sample is charged for computing the prompt.
+            children.append(self._share(seq, (target,), num_cached_tokens=seq.num_prompt_tokens))
         seq.targets = seq.targets[:1]
         pos = self.running.index(seq) + 1
         self.running[pos:pos] = children[1:]
