@@ -24,6 +24,7 @@ from batchgen.errors import JobError
 from batchgen.fingerprint import numerics
 from batchgen.job import Job
 from batchgen.model.config import ModelInfo
+from batchgen.model.cpu_features import bf16_support
 from batchgen.results import read_manifest
 
 CPU_KV_CACHE_CAP = 1 << 30  # bytes: "auto" never takes more than this on a CPU
@@ -37,6 +38,7 @@ class Placement:
     device: torch.device
     dtype: torch.dtype
     backend: str  # "torch" | "triton"
+    dtype_reason: str = "set in the job"  # why this dtype, as validate and the report say it
 
     @property
     def dtype_name(self) -> str:
@@ -53,9 +55,9 @@ def resolve_placement(job: Job) -> Placement:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise JobError(f"engine.device is {eng.device!r} but no CUDA device is available")
     if eng.dtype == "auto":
-        dtype = auto_dtype(device)
+        dtype, reason = auto_dtype(device)
     else:
-        dtype = getattr(torch, eng.dtype)
+        dtype, reason = getattr(torch, eng.dtype), "set in the job"
     if eng.attention_backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     else:
@@ -65,12 +67,24 @@ def resolve_placement(job: Job) -> Placement:
             "engine.attention_backend is 'triton' on a CPU: set TRITON_INTERPRET=1 "
             "(slow, for testing) or use 'torch'"
         )
-    return Placement(device, dtype, backend)
+    return Placement(device, dtype, backend, reason)
 
 
-def auto_dtype(device: torch.device) -> torch.dtype:
-    """What ``engine.dtype: auto`` resolves to on ``device``."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """What ``engine.dtype: auto`` resolves to on ``device``, and why: bf16 on GPUs and on CPUs
+    with bf16 matrix instructions (AMX, AVX512-BF16), float32 on other CPUs (which emulate bf16,
+    far slower than fp32)."""
+    if device.type == "cuda":
+        return torch.bfloat16, "auto: bfloat16 on GPUs"
+    support = bf16_support()
+    if support.native:
+        return torch.bfloat16, f"auto: this CPU multiplies bf16 natively ({support.describe()})"
+    return torch.float32, f"auto: this CPU has {support.describe()}, so bf16 would be slow"
+
+
+# What ``auto`` gave before the CPU choice depended on the CPU's bf16 instructions: the numerics
+# of every folder written before numerics were fingerprinted.
+_LEGACY_AUTO = {"cuda": torch.bfloat16, "cpu": torch.float32}
 
 
 def job_numerics(job: Job, folder: Path) -> tuple[str, tuple[str, ...]]:
@@ -81,23 +95,23 @@ def job_numerics(job: Job, folder: Path) -> tuple[str, tuple[str, ...]]:
     explicit ``engine.dtype`` theirs is the same; with ``auto`` it is known once they report it,
     so the folder's recorded numerics are taken as they are, and the job loop checks the
     executor's against them. A folder written before numerics were fingerprinted resumes when
-    the job runs in what ``auto`` gives here (every job's default then); its numerics are
-    recorded from then on.
+    the job runs in what ``auto`` gave then (float32 on CPUs, bfloat16 on GPUs); its numerics
+    are recorded from then on.
     """
     eng = job.engine
     if eng.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(eng.device)
-    default = auto_dtype(device)
-    dtype = default if eng.dtype == "auto" else getattr(torch, eng.dtype)
+    dtype = auto_dtype(device)[0] if eng.dtype == "auto" else getattr(torch, eng.dtype)
     text = numerics(str(dtype).removeprefix("torch."))
     if job.executor.kind == "ray" and eng.dtype == "auto":
         with contextlib.suppress(JobError):
             recorded = ((read_manifest(folder) or {}).get("fingerprint") or {}).get("numerics")
             if isinstance(recorded, str):
                 text = recorded
-    return text, (("numerics",) if dtype == default else ())
+    legacy = _LEGACY_AUTO.get(device.type, torch.float32)
+    return text, (("numerics",) if dtype == legacy else ())
 
 
 def _available_memory(device: torch.device) -> int:
@@ -184,7 +198,8 @@ def describe_engine(job: Job, info: ModelInfo, place: Placement) -> list[str]:
     if length < min(info.max_model_len, job.engine.max_model_len or info.max_model_len):
         length = f"{length} (all the KV cache holds: longer prompts will be error rows)"
     return [
-        f"device:   {place.device} {place.dtype_name}, attention {place.backend}",
+        f"device:   {place.device} {place.dtype_name} ({place.dtype_reason}), "
+        f"attention {place.backend}",
         f"KV cache: {per_token} bytes/token, {num_blocks} blocks x {bs} tokens = "
         f"{num_blocks * bs} tokens ({num_blocks * bs * per_token / 2**20:.1f} MiB)",
         f"max_model_len: {length}",

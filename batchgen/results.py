@@ -182,10 +182,17 @@ def inspect_folder(
     if fresh:
         return FolderState(path, None)
     if not same_job(manifest.get("fingerprint") or {}, fingerprint, adopt):
-        what = describe_fingerprint_mismatch(manifest.get("fingerprint") or {}, fingerprint)
+        old = manifest.get("fingerprint") or {}
+        what = describe_fingerprint_mismatch(old, fingerprint)
+        # numerics alone can follow from `auto` on another machine: the job can pin them
+        pin = (
+            "set engine.dtype to the folder's to resume it, "
+            if "numerics" in old and old.get("numerics") != fingerprint.get("numerics")
+            else ""
+        )
         raise JobError(
-            f"output folder {path} holds a different job: {what}; use --fresh to delete its "
-            "results, or choose another output.path"
+            f"output folder {path} holds a different job: {what}; {pin}use --fresh to delete "
+            "its results, or choose another output.path"
         )
     return FolderState(path, manifest)
 

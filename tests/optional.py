@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 
 import pytest
 
@@ -50,12 +49,9 @@ def _cuda() -> bool:
 
 
 def _native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) is not None
+    from batchgen.model.cpu_features import bf16_support
+
+    return bf16_support().native
 
 
 PATHS = {

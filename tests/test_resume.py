@@ -549,14 +549,23 @@ def test_fingerprint_notices_new_weights_of_the_same_shapes(model: Path, tmp_pat
     assert "model differs" in refusal(invoke("run", job, "--set", f"model={tuned}"))
 
 
-def test_fingerprint_covers_the_numerics(model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cpu_bf16", [False, True], ids=["fp32-cpu", "bf16-cpu"])
+def test_fingerprint_covers_the_numerics(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_bf16: bool
+) -> None:
     """The resolved dtype is in the fingerprint: a resume in another dtype is refused (naming
-    both), ``auto`` that resolves to the same dtype resumes, ``--fresh`` starts over. A folder
-    from before numerics were fingerprinted resumes in the dtype ``auto`` gives here."""
+    both), ``auto`` that resolves to the same dtype resumes, ``--fresh`` starts over. ``auto`` on
+    a CPU follows its bf16 instructions (both kinds of CPU are simulated), so a float32 folder
+    resumed with ``auto`` on a CPU that has them is refused. A folder from before numerics were
+    fingerprinted resumes in float32, what ``auto`` gave on every CPU then."""
     import torch
 
+    from batchgen.model.cpu_features import Bf16Support
+
     if torch.cuda.is_available():
-        pytest.skip("auto resolves to float32 on a CPU only")
+        pytest.skip("auto resolves by the CPU's instructions on a CPU only")
+    features = ("AMX-BF16",) if cpu_bf16 else ()
+    monkeypatch.setattr("batchgen.plan.bf16_support", lambda: Bf16Support(features))
     prompts = make_prompts(6, seed=14, min_words=3, max_words=8)
     sampling = {"max_tokens": 3, "temperature": 0}
     job = write_job(
@@ -586,10 +595,15 @@ def test_fingerprint_covers_the_numerics(model: Path, tmp_path: Path) -> None:
     for command in ("run", "validate"):
         line = refusal(invoke(command, job, "--set", "engine.dtype=bfloat16"))
         assert "numerics differs" in line and "float32" in line and "bfloat16" in line, line
+    if cpu_bf16:
+        line = refusal(invoke("run", job, "--set", "engine.dtype=auto"))
+        assert "dtype=float32 in the folder, dtype=bfloat16 now" in line, line
+        assert "set engine.dtype" in line, line
     assert snapshot(out) == before
+    resume_dtype = "float32" if cpu_bf16 else "auto"
     assert (
         f"batchgen: done: {dropped} rows"
-        in run_cli("run", str(job), "--quiet", "--set", "engine.dtype=auto").stderr
+        in run_cli("run", str(job), "--quiet", "--set", f"engine.dtype={resume_dtype}").stderr
     )
     assert results() == [(r["id"], r["sample_index"], r["token_ids"]) for r in first]
 
@@ -599,7 +613,9 @@ def test_fingerprint_covers_the_numerics(model: Path, tmp_path: Path) -> None:
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
     drop_last_part()
     assert "numerics differs" in refusal(invoke("run", job, "--set", "engine.dtype=bfloat16"))
-    run_cli("run", str(job), "--quiet")
+    if cpu_bf16:
+        assert "numerics differs" in refusal(invoke("run", job, "--set", "engine.dtype=auto"))
+    run_cli("run", str(job), "--quiet", "--set", f"engine.dtype={resume_dtype}")
     assert results() == [(r["id"], r["sample_index"], r["token_ids"]) for r in first]
     assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32"
 

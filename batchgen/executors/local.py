@@ -184,8 +184,9 @@ class RowGenerator:
             "engine_steps": stats.steps,
             "device": str(self.place.device),
             "dtype": self.place.dtype_name,
+            "dtype_reason": self.place.dtype_reason,
             "attention_backend": self.place.backend,
-            # the C kernels of batchgen.model.cpu_kernels ran (CPU, fp32, a compiler was found)
+            # the C kernels of batchgen.model.cpu_kernels ran (CPU, fp32/bf16, a compiler was found)
             "cpu_kernels": cpu_kernels.for_dtype(self.place.device, self.place.dtype) is not None,
         }
 
