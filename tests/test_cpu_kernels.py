@@ -154,12 +154,14 @@ def reference(
     return out, lse
 
 
-# (Hq, Hkv, D, block_size): the specialized pairs G in {1,2,4,8} x D in {64,128} and generic ones
+# (Hq, Hkv, D, block_size): the specialized pairs G in {1,2,4,5,6,7,8} x D in {64,128} and
+# generic ones
 SHAPES = [
     (8, 2, 64, 16),
     (8, 8, 64, 16),
     (4, 2, 128, 8),
     (16, 2, 128, 16),
+    (14, 2, 64, 16),  # G = 7 (Qwen2.5-0.5B): 16/G keys per chunk leave 2 lanes unused
     (6, 2, 64, 16),  # G = 3: generic
     (4, 1, 48, 4),  # D = 48: generic
     (3, 3, 8, 1),
@@ -183,7 +185,7 @@ def test_decode_matches_reference(
 
 @pytest.mark.parametrize("fp32_out", [False, True], ids=["", "fp32-out"])
 @pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
-@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES[:3] + SHAPES[4:6])
+@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES[:3] + SHAPES[4:7])
 def test_extend_subset_and_key_start(
     flavor: Flavor, hq: int, hkv: int, d: int, bs: int, tiled: bool, fp32_out: bool
 ) -> None:
@@ -215,7 +217,7 @@ def test_extend_subset_and_key_start(
     assert (out[untouched] == -7.0).all() and (lse[untouched] == -7.0).all()
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES + [(14, 2, 64, 16)])
+@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
 def test_tiled_prefills_and_long_extends(
     flavor: Flavor, hq: int, hkv: int, d: int, bs: int
 ) -> None:

@@ -280,10 +280,10 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *p, co
 }
 
 /* scores[g*n + j] = qs[g] . k_j for the n keys at k_base + key_off[j] (elements; fp32 or, BF,
- * bf16 keys). Keys go in chunks of 16/G so that one hsum16 reduces all G x (16/G) dot products
- * of a chunk and each key row is loaded once. G (a divisor of 16), D (a multiple of 16) and BF
- * are compile-time constants at each call site (always inlined): the loops unroll into
- * registers. */
+ * bf16 keys). Keys go in chunks of 16/G (rounded down) so that one hsum16 reduces all
+ * G x (16/G) dot products of a chunk (lanes past them are zero) and each key row is loaded once.
+ * G (<= 16), D (a multiple of 16) and BF are compile-time constants at each call site (always
+ * inlined): the loops unroll into registers. */
 static inline __attribute__((always_inline)) void qk_v16(const float *qs, const void *k_base,
                                                          const int64_t *key_off, int n,
                                                          const int G, const int D, const int BF,
@@ -291,6 +291,7 @@ static inline __attribute__((always_inline)) void qk_v16(const float *qs, const 
     const int KPC = 16 / G; /* keys per chunk */
     for (int j0 = 0; j0 < n; j0 += KPC) {
         v16 acc[16];
+        for (int i = KPC * G; i < 16; i++) acc[i] = (v16){0};
         for (int jj = 0; jj < KPC; jj++) { /* key rows come from scattered blocks: prefetch */
             const int ahead = j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1;
             prefetch_row(at_any(k_base, key_off[ahead], BF), D, BF);
@@ -330,6 +331,7 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q_h,
             qv[g][c] = (__m512bh)_mm512_loadu_si512(q_h + g * D + 32 * c);
     for (int j0 = 0; j0 < n; j0 += KPC) {
         v16 acc[16];
+        for (int i = KPC * G; i < 16; i++) acc[i] = (v16){0};
         for (int jj = 0; jj < KPC; jj++) {
             const int ahead = j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1;
             prefetch_row(k_base + key_off[ahead], D, 1);
@@ -377,7 +379,7 @@ static inline __attribute__((always_inline)) void pv_v16(const float *scores, co
 }
 
 /* One query token of one (sequence, KV head): G rows of q against n keys whose rows start at
- * k_cache/v_cache + key_off[j] + kv_head*D (elements). With fast = 1, G divides 16 and D is a
+ * k_cache/v_cache + key_off[j] + kv_head*D (elements). With fast = 1, G <= 16 and D is a
  * multiple of 16, both compile-time constants (see attend_row_group_dispatch); BF (constant):
  * q and the caches hold bf16. */
 static inline __attribute__((always_inline)) void attend_row_group(
@@ -461,8 +463,9 @@ static void attend_row_group_dispatch(const Args *a, const int64_t *key_off, int
                              g, d, 1, 0);                                                      \
         return;                                                                                \
     }
-    CASE(1, 64) CASE(2, 64) CASE(4, 64) CASE(8, 64)
-    CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(8, 128)
+    /* G = 5, 6, 7: Qwen2.5's 40:8, 12:2, 14:2 and 28:4 heads */
+    CASE(1, 64) CASE(2, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64)
+    CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(5, 128) CASE(6, 128) CASE(7, 128) CASE(8, 128)
 #undef CASE
     if (a->bf16)
         attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, G, D,
