@@ -2,7 +2,8 @@
 side by side in one run, on the benchmark model's shapes (8 query heads, 2 KV heads, head 64,
 block 16, vocabulary 4096).
 
-    python scripts/bench_cpu_kernels.py [--threads 2] [--reps 15] [--json bench-out/cpu-kernels.json]
+    python scripts/bench_cpu_kernels.py [--threads 2] [--reps 15] [--bf16 | --bf16-only]
+        [--json bench-out/cpu-kernels.json]
 
 Cases:
 - prefill / extend: the tiled kernel vs the per-token kernel vs SDPA on contiguous K/V (the
@@ -10,7 +11,11 @@ Cases:
 - cascade prefix: the fused prefix attention + merge vs the PyTorch path (gathers, SDPA, merge);
 - decode: the per-token kernel over scattered blocks of a cache larger than the data (K/V bytes
   read over time: the figure to compare with the machine's DRAM read rate);
-- sampler: the fused temperature-only draw vs the PyTorch formula.
+- sampler: the fused temperature-only draw vs the PyTorch formula;
+- bf16 (``--bf16``, also on a Qwen2.5-0.5B head shape, 14:2): decode, prefill and extend
+  attention in the fp32 kernels, the bf16 kernels (this CPU's build and the portable one) and the
+  PyTorch bf16 path (``TorchAttention(native=False)``: gathers and SDPA), all through the paged
+  cache.
 
 Every case first checks that both sides agree. Times are medians of ``--reps``; the machine is
 noisy, so compare ratios within one run. Slow-ish (a minute); not part of the tests.
@@ -30,7 +35,7 @@ import torch.nn.functional as F
 
 from batchgen.engine import noise, sampler
 from batchgen.model import cpu_kernels
-from batchgen.model.attention import TorchAttention
+from batchgen.model.attention import AttentionMetadata, TorchAttention
 from batchgen.model.attention.torch_plan import Cascade as _Cascade
 
 HQ, HKV, D, BS, VOCAB = 8, 2, 64, 16, 4096
@@ -201,22 +206,106 @@ def bench_sampler(kern: cpu_kernels.CpuKernels, reps: int) -> list[dict]:
     return [dict(case=f"sampler draw {r} x {VOCAB}, temperature only", **times, agree=agree)]
 
 
+def bf16_case(
+    kernels: dict[str, cpu_kernels.CpuKernels],
+    reps: int,
+    heads: tuple[int, int],
+    n: int,
+    keys: int,
+    q_len: int,
+    spread: int,
+) -> dict:
+    """One attention shape through the paged cache: the fp32 kernel, the bf16 kernels of both
+    builds, and the PyTorch bf16 path (its whole forward: the K/V store, gathers, SDPA)."""
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(0)
+    per = -(-keys // BS)
+    num_blocks = n * per * spread + 1
+    q32 = torch.randn(n * q_len, hq, D, generator=gen)
+    cache32 = torch.randn(2, num_blocks, BS, hkv, D, generator=gen)
+    tables = torch.randperm(num_blocks - 1, generator=gen)[: n * per].view(n, per) + 1
+    pos = torch.arange(keys - q_len, keys)
+    slots = (tables[:, pos // BS] * BS + pos % BS).reshape(-1)  # [n * q_len]: the new tokens
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=tables.to(torch.int32),
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32) * q_len,
+        seq_lens=torch.full((n,), keys, dtype=torch.int32),
+        max_seqlen_q=q_len,
+        max_seqlen_k=keys,
+    )
+    seqs = torch.arange(n, dtype=torch.int32)
+    tiled = q_len * hq // hkv >= 16  # what a native plan would pick
+    times, outs = {}, {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
+                        ("bf16_portable", torch.bfloat16)):  # fmt: skip
+        kern, q, cache = kernels[name], q32.to(dtype), cache32.to(dtype)
+        out = torch.empty_like(q)
+
+        def run(kern=kern, q=q, cache=cache, out=out) -> None:
+            kern.paged_attention(
+                q, cache[0], cache[1], meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+                seqs, out, 0.125, tiled=tiled,
+            )  # fmt: skip
+
+        times[name] = median_ms(run, reps)
+        outs[name] = out.float()
+    q, cache = q32.bfloat16(), cache32.bfloat16()
+    kv = cache.view(2, -1, hkv, D)[:, slots]  # the new tokens' K/V, stored again by forward
+    attn = TorchAttention(native=False)
+    plan = attn.prepare(meta, cache[None], hq)
+    times["torch_bf16"] = median_ms(
+        lambda: attn.forward(q, kv[0], kv[1], cache[0], cache[1], plan, 0.125), reps
+    )
+    ref = attn.forward(q, kv[0], kv[1], cache[0], cache[1], plan, 0.125).float()
+    for name in ("bf16", "bf16_portable"):
+        torch.testing.assert_close(outs[name], ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs["fp32"], ref, atol=5e-2, rtol=5e-2)
+    kind = "decode" if q_len == 1 else "prefill" if q_len == keys else "extend"
+    return dict(
+        case=f"bf16 {hq}:{hkv} {kind} {n} x {q_len} new of {keys} keys"
+        + ("" if spread == 1 else f", cache x{spread}")
+        + (", tiled" if tiled else ", per token"),
+        **times,
+    )
+
+
+def bench_bf16(reps: int) -> list[dict]:
+    kernels = {"fp32": cpu_kernels.load(), "bf16_portable": cpu_kernels.build(avx512bf16=False)}
+    kernels["bf16"] = kernels["fp32"]
+    if kernels["fp32"] is None or kernels["bf16_portable"] is None:
+        raise SystemExit("the C kernels cannot be built here")
+    print(f"bf16 kernels: AVX512-BF16 {kernels['bf16'].avx512bf16}")  # type: ignore[union-attr]
+    shapes = [(128, 300, 1, 4), (256, 80, 1, 4), (2, 1024, 1024, 1), (32, 300, 40, 1)]
+    return [
+        bf16_case(kernels, reps, heads, *shape)  # type: ignore[arg-type]
+        for heads in ((HQ, HKV), (14, 2))
+        for shape in shapes
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--bf16", action="store_true", help="also the bf16 rows")
+    parser.add_argument("--bf16-only", action="store_true", help="only the bf16 rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kern = cpu_kernels.load()
     if kern is None:
         raise SystemExit("the C kernels cannot be built here (no C compiler, or disabled)")
     results = (
-        bench_prefill(kern, args.reps)
+        []
+        if args.bf16_only
+        else bench_prefill(kern, args.reps)
         + bench_prefix(kern, args.reps)
         + bench_decode(kern, args.reps)
         + bench_sampler(kern, args.reps)
     )
+    if args.bf16 or args.bf16_only:
+        results += bench_bf16(args.reps)
     for row in results:
         cells = [f"{k} {v:.2f}" if isinstance(v, float) else str(v) for k, v in row.items()]
         print(" | ".join(cells))

@@ -4,12 +4,17 @@ Shapes cover the specialized (G, D) pairs and the generic path, key counts that 
 multiples of 16 (the kernel's chunk) or of the block size, extends (several new tokens), a key
 start offset (cascade members) with its log-sum-exp, and a stride-padded q. Every cache slot no
 sequence uses is NaN, so a stray read shows up in the output.
+
+The attention and store tests run for each ``Flavor``: fp32, bf16 (the build for this CPU: with
+AVX512-BF16 where it has them) and bf16 from the portable build. bf16 results are checked against
+the fp32 (or float64) reference computed from the same bf16 inputs, within one bf16 ulp.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,6 +25,9 @@ from batchgen.engine.request import SamplingParams
 from batchgen.kernels.reference import paged_attention_ref, store_kv_ref
 from batchgen.model import cpu_kernels
 from batchgen.model.cpu_kernels import CpuKernels
+from batchgen.model.layers.activation import silu_mul_
+from batchgen.model.layers.norm import RMSNorm
+from batchgen.model.layers.rotary import rope_
 from batchgen.model.once import Once
 from tests.optional import require
 
@@ -33,8 +41,65 @@ def kernel() -> CpuKernels:
     return built
 
 
+@dataclass(frozen=True)
+class Flavor:
+    """Kernels and the dtype their attention, store and layer tests run in."""
+
+    kernel: CpuKernels
+    dtype: torch.dtype
+
+    def check(self, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> None:
+        """fp32: within atol/rtol of the reference; bf16: got is bf16 and within one bf16 ulp
+        of the reference (one rounding of an fp32 result, plus atol)."""
+        if self.dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+            return
+        assert got.dtype == torch.bfloat16
+        assert_within_ulps(got, want, 1.0, atol)
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |x| (8 significant bits), as float64."""
+    x = x.double().abs().clamp_min(2.0**-126)
+    return torch.exp2(torch.floor(torch.log2(x)) - 7)
+
+
+def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float, atol: float) -> None:
+    """|got - want| <= ulps bf16 ulps of want, + atol, everywhere (NaN nowhere)."""
+    assert got.shape == want.shape
+    assert not got.isnan().any()
+    err = (got.double() - want.double()).abs()
+    bound = ulps * bf16_ulp(want) + atol
+    worst = float((err / bound).max())
+    assert worst <= 1.0, f"error up to {worst:.2f} x ({ulps} ulp + {atol})"
+
+
+def kernels_of(build: str) -> CpuKernels:
+    """The process's kernels ("native": for this CPU, with AVX512-BF16 where it has them) or the
+    portable bf16 build; the test fails where they cannot be built (tests/optional.py)."""
+    require("cpu_kernels")
+    built = cpu_kernels.load() if build == "native" else cpu_kernels.build(avx512bf16=False)
+    assert built is not None
+    assert build == "native" or not built.avx512bf16
+    return built
+
+
+@pytest.fixture(params=["fp32", "bf16", "bf16-portable"])
+def flavor(request: pytest.FixtureRequest) -> Flavor:
+    """The kernels in each dtype and build."""
+    build = "portable" if request.param == "bf16-portable" else "native"
+    return Flavor(kernels_of(build), torch.float32 if request.param == "fp32" else torch.bfloat16)
+
+
 def make_case(
-    hq: int, hkv: int, d: int, bs: int, q_lens: list[int], k_lens: list[int], seed: int
+    hq: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    q_lens: list[int],
+    k_lens: list[int],
+    seed: int,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     gen = torch.Generator().manual_seed(seed)
     own = [math.ceil(k / bs) for k in k_lens]
@@ -52,11 +117,11 @@ def make_case(
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
     # q as a column slice of a wider row (like the fused qkv output): row stride > Hq*D
-    q = torch.randn(t, hq + 2 * hkv, d, generator=gen)[:, :hq]
+    q = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(dtype)[:, :hq]
     return dict(
         q=q,
-        k_cache=k_cache,
-        v_cache=v_cache,
+        k_cache=k_cache.to(dtype),
+        v_cache=v_cache.to(dtype),
         block_tables=bt,
         cu_seqlens_q=cu,
         seq_lens=torch.tensor(k_lens, dtype=torch.int32),
@@ -71,7 +136,7 @@ def reference(
     cu, lens = c["cu_seqlens_q"].tolist(), c["seq_lens"].tolist()
     hq, hkv = q.shape[1], kc.shape[2]
     bs = kc.shape[1]
-    out = torch.zeros(q.shape)
+    out = torch.zeros(q.shape)  # fp32, also for bf16 inputs
     lse = torch.zeros(q.shape[:2])
     for b, n in enumerate(lens):
         start = k_start[b] if k_start else 0
@@ -89,12 +154,14 @@ def reference(
     return out, lse
 
 
-# (Hq, Hkv, D, block_size): the specialized pairs G in {1,2,4,8} x D in {64,128} and generic ones
+# (Hq, Hkv, D, block_size): the specialized pairs G in {1,2,4,5,6,7,8} x D in {64,128} and
+# generic ones
 SHAPES = [
     (8, 2, 64, 16),
     (8, 8, 64, 16),
     (4, 2, 128, 8),
     (16, 2, 128, 16),
+    (14, 2, 64, 16),  # G = 7 (Qwen2.5-0.5B): 16/G keys per chunk leave 2 lanes unused
     (6, 2, 64, 16),  # G = 3: generic
     (4, 1, 48, 4),  # D = 48: generic
     (3, 3, 8, 1),
@@ -104,92 +171,106 @@ SHAPES = [
 @pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
 def test_decode_matches_reference(
-    kernel: CpuKernels, hq: int, hkv: int, d: int, bs: int, tiled: bool
+    flavor: Flavor, hq: int, hkv: int, d: int, bs: int, tiled: bool
 ) -> None:
     k_lens = [1, 15, 16, 17, 31, 32, 33, 64, 100, 7 * bs, 7 * bs + 1]
-    c = make_case(hq, hkv, d, bs, [1] * len(k_lens), k_lens, seed=hq * 1000 + d + bs)
-    out = torch.full(c["q"].shape, float("nan"))
+    c = make_case(hq, hkv, d, bs, [1] * len(k_lens), k_lens, hq * 1000 + d + bs, flavor.dtype)
+    out = torch.full(c["q"].shape, float("nan"), dtype=flavor.dtype)
     seqs = torch.arange(len(k_lens), dtype=torch.int32)
-    kernel.paged_attention(**c, seqs=seqs, out=out, scale=0.2, tiled=tiled)
-    ref = paged_attention_ref(**c, scale=0.2, max_seqlen_q=1, max_seqlen_k=max(k_lens))
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    flavor.kernel.paged_attention(**c, seqs=seqs, out=out, scale=0.2, tiled=tiled)
+    c32 = {k: v.float() if v.is_floating_point() else v for k, v in c.items()}
+    ref = paged_attention_ref(**c32, scale=0.2, max_seqlen_q=1, max_seqlen_k=max(k_lens))
+    flavor.check(out, ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fp32_out", [False, True], ids=["", "fp32-out"])
 @pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
-@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES[:3] + SHAPES[4:6])
+@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES[:3] + SHAPES[4:7])
 def test_extend_subset_and_key_start(
-    kernel: CpuKernels, hq: int, hkv: int, d: int, bs: int, tiled: bool
+    flavor: Flavor, hq: int, hkv: int, d: int, bs: int, tiled: bool, fp32_out: bool
 ) -> None:
-    """Several new tokens per sequence, only some sequences computed, keys from an offset."""
+    """Several new tokens per sequence, only some sequences computed, keys from an offset;
+    bf16 inputs also with an fp32 out (what a cascade merge reads)."""
+    if fp32_out and flavor.dtype == torch.float32:
+        pytest.skip("fp32 out is the fp32 case")
     q_lens = [3, 1, 8, 2, 5]
     k_lens = [40, 17, 8 + 3 * bs, 2 * bs, 70]
     k_start = [16, 0, 2 * bs, bs, 35]
-    c = make_case(hq, hkv, d, bs, q_lens, k_lens, seed=7 + hq + d)
+    c = make_case(hq, hkv, d, bs, q_lens, k_lens, 7 + hq + d, flavor.dtype)
     t = c["q"].shape[0]
-    out = torch.full((t, hq, d), -7.0)
+    out = torch.full((t, hq, d), -7.0, dtype=torch.float32 if fp32_out else flavor.dtype)
     lse = torch.full((t, hq), -7.0)
     seqs = torch.tensor([0, 2, 3, 4], dtype=torch.int32)  # sequence 1 is not ours
     ks = torch.tensor(k_start, dtype=torch.int32)
-    kernel.paged_attention(**c, seqs=seqs, out=out, scale=0.3, k_start=ks, lse=lse, tiled=tiled)
+    flavor.kernel.paged_attention(
+        **c, seqs=seqs, out=out, scale=0.3, k_start=ks, lse=lse, tiled=tiled
+    )
     ref, ref_lse = reference(c, 0.3, k_start)
     cu = c["cu_seqlens_q"].tolist()
     mine = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in seqs.tolist()])
-    torch.testing.assert_close(out[mine], ref[mine], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(lse[mine], ref_lse[mine], atol=2e-5, rtol=1e-5)
+    if fp32_out:
+        torch.testing.assert_close(out[mine], ref[mine], atol=1e-4, rtol=1e-4)
+    else:
+        flavor.check(out[mine], ref[mine], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[mine], ref_lse[mine], atol=1e-4, rtol=1e-5)
     untouched = torch.arange(cu[1], cu[2])
     assert (out[untouched] == -7.0).all() and (lse[untouched] == -7.0).all()
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
 def test_tiled_prefills_and_long_extends(
-    kernel: CpuKernels, hq: int, hkv: int, d: int, bs: int
+    flavor: Flavor, hq: int, hkv: int, d: int, bs: int
 ) -> None:
     """The tiled kernel on fresh prefills (new tokens = keys) of lengths around the tile and
     block sizes, and on long extends after a cached part and a key offset, with the lse."""
     q_lens = [1, 2, 15, 16, 17, 33, 4 * bs, 130, 40, 23]
     k_lens = [1, 2, 15, 16, 17, 33, 4 * bs, 130, 40 + 3 * bs, 23 + 77]
     k_start = [0] * 8 + [bs, 60]
-    c = make_case(hq, hkv, d, bs, q_lens, k_lens, seed=11 + hq + d + bs)
+    c = make_case(hq, hkv, d, bs, q_lens, k_lens, 11 + hq + d + bs, flavor.dtype)
     t = c["q"].shape[0]
-    out = torch.full((t, hq, d), float("nan"))
+    out = torch.full((t, hq, d), float("nan"), dtype=flavor.dtype)
     lse = torch.full((t, hq), float("nan"))
     seqs = torch.arange(len(q_lens), dtype=torch.int32)
     ks = torch.tensor(k_start, dtype=torch.int32)
-    kernel.paged_attention(**c, seqs=seqs, out=out, scale=0.25, k_start=ks, lse=lse, tiled=True)
+    flavor.kernel.paged_attention(
+        **c, seqs=seqs, out=out, scale=0.25, k_start=ks, lse=lse, tiled=True
+    )
     ref, ref_lse = reference(c, 0.25, k_start)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
+    flavor.check(out, ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
-def test_extremes_and_many_threads(kernel: CpuKernels, tiled: bool) -> None:
+def test_extremes_and_many_threads(flavor: Flavor, tiled: bool) -> None:
     """Huge logits (one key dominates: exp underflows to 0 for the rest), a sequence much longer
     than the others, and more threads than work items."""
     c = make_case(8, 2, 64, 16, [1, 1, 1], [3, 1000, 20], seed=3)
     c["q"] = c["q"] * 200.0
-    out = torch.empty(c["q"].shape)
+    c = {k: v.to(flavor.dtype) if v.is_floating_point() else v for k, v in c.items()}
+    out = torch.empty(c["q"].shape, dtype=flavor.dtype)
     seqs = torch.arange(3, dtype=torch.int32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(7)
-        kernel.paged_attention(**c, seqs=seqs, out=out, scale=0.125, tiled=tiled)
+        flavor.kernel.paged_attention(**c, seqs=seqs, out=out, scale=0.125, tiled=tiled)
     finally:
         torch.set_num_threads(threads)
-    ref = paged_attention_ref(**c, scale=0.125, max_seqlen_q=1, max_seqlen_k=1000)
+    c32 = {k: v.float() if v.is_floating_point() else v for k, v in c.items()}
+    ref = paged_attention_ref(**c32, scale=0.125, max_seqlen_q=1, max_seqlen_k=1000)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    flavor.check(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_store_kv_matches_reference(kernel: CpuKernels) -> None:
+def test_store_kv_matches_reference(flavor: Flavor) -> None:
     gen = torch.Generator().manual_seed(0)
-    kc = torch.randn(6, 4, 2, 8, generator=gen)
-    vc = torch.randn(6, 4, 2, 8, generator=gen)
-    kv = torch.randn(5, 3, 2, 8, generator=gen)  # k and v as column slices of one buffer
+    kc = torch.randn(6, 4, 2, 8, generator=gen).to(flavor.dtype)
+    vc = torch.randn(6, 4, 2, 8, generator=gen).to(flavor.dtype)
+    kv = torch.randn(5, 3, 2, 8, generator=gen).to(flavor.dtype)  # k, v: column slices of one
     k, v = kv[:, 0], kv[:, 2]
     slots = torch.tensor([3, 0, -1, 23, 9])
     want_k, want_v = kc.clone(), vc.clone()
     store_kv_ref(k, v, want_k, want_v, slots)
-    kernel.store_kv(k, v, kc, vc, slots)
+    flavor.kernel.store_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
@@ -203,6 +284,10 @@ def test_rejects_unsupported_inputs(kernel: CpuKernels) -> None:
         kernel.paged_attention(
             **{**c, "seq_lens": c["seq_lens"].long()}, seqs=seqs, out=out, scale=1.0
         )
+    with pytest.raises(ValueError, match="unsupported"):  # one dtype per call
+        kernel.paged_attention(**{**c, "q": c["q"].bfloat16()}, seqs=seqs, out=out, scale=1.0)
+    with pytest.raises(ValueError, match="unsupported"):  # fp16 keeps the PyTorch path
+        kernel.rms_norm(torch.ones(2, 8, dtype=torch.half), torch.ones(8, dtype=torch.half), 1e-5)
 
 
 def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,6 +353,65 @@ def test_silu_mul_matches_torch(kernel: CpuKernels, inter: int) -> None:
     torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=2e-6)
 
 
+@pytest.fixture(params=["native", "portable"])
+def bf16_kernel(request: pytest.FixtureRequest) -> CpuKernels:
+    """Both builds, for the bf16 layer ops."""
+    return kernels_of(request.param)
+
+
+def bf16_randn(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+
+@pytest.mark.parametrize("n", [8, 64, 100, 896])
+def test_rms_norm_bf16_matches_torch_layer(bf16_kernel: CpuKernels, n: int) -> None:
+    """bf16 RMSNorm against batchgen's RMSNorm layer on bf16 (the HF formula): equal but for a
+    last-bit difference of the fp32 mean (torch sums in fp32), at most one bf16 ulp."""
+    gen = torch.Generator().manual_seed(n)
+    layer = RMSNorm(n, 1e-5).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(bf16_randn(n, gen=gen))
+    x = bf16_randn(37, n + 5, gen=gen, scale=3.0)[:, :n]  # strided rows
+    with torch.no_grad():
+        want = layer(x)
+    got = bf16_kernel.rms_norm(x, layer.weight.detach(), 1e-5)
+    assert got.dtype == torch.bfloat16
+    assert_within_ulps(got, want, 1.0, 0.0)
+    assert float((got == want).float().mean()) > 0.97
+    x3 = bf16_randn(5, 4, n, gen=gen)  # per-head norm (Qwen3's q_norm / k_norm)
+    with torch.no_grad():
+        assert_within_ulps(bf16_kernel.rms_norm(x3, layer.weight, 1e-5), layer(x3), 1.0, 0.0)
+
+
+@pytest.mark.parametrize("d", [8, 64, 128, 34])
+def test_rope_bf16_bit_identical_to_torch(bf16_kernel: CpuKernels, d: int) -> None:
+    """bf16 RoPE in place equals rotary.rope_ on bf16 tensors bit for bit."""
+    gen = torch.Generator().manual_seed(d)
+    qkv = bf16_randn(9, 7, d, gen=gen, scale=4.0)
+    want_qkv = qkv.clone()
+    cos = bf16_randn(9, d // 2, gen=gen)
+    sin = bf16_randn(9, d // 2, gen=gen)
+    rope_(want_qkv[:, :5], cos, sin)
+    bf16_kernel.rope_(qkv[:, :5], cos, sin)  # the first 5 "heads" of each row
+    assert torch.equal(qkv, want_qkv)  # the other columns are untouched too
+
+
+@pytest.mark.parametrize("inter", [16, 40, 1536])
+def test_silu_mul_bf16_matches_torch(bf16_kernel: CpuKernels, inter: int) -> None:
+    """bf16 SwiGLU against activation.silu_mul_ on bf16: silu in fp32 differs from torch's in
+    the last fp32 bits at most, so the results agree within one bf16 ulp (nearly all equal)."""
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = bf16_randn(11, 2 * inter, gen=gen, scale=4.0)
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 200.0, -200.0])  # exp over/underflow
+    want = silu_mul_(gate_up.clone())
+    up_before = gate_up[:, inter:].clone()
+    got = bf16_kernel.silu_mul_(gate_up)
+    assert got.data_ptr() == gate_up.data_ptr() and got.shape == (11, inter)  # in place
+    assert torch.equal(gate_up[:, inter:], up_before)
+    assert_within_ulps(got, want, 1.0, 0.0)
+    assert float((got == want).float().mean()) > 0.97
+
+
 def native_sampler_kernels(kernel: CpuKernels) -> SamplerKernels:
     """What the engine hands the sampler on a CPU (engine._default_sampler_kernels)."""
     return SamplerKernels(uniform_noise=kernel.uniform_noise, race_draw=kernel.race_draw)
@@ -298,7 +442,7 @@ def test_uniform_noise_bit_identical_to_torch(kernel: CpuKernels) -> None:
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
 @pytest.mark.parametrize("prefix_len", [1, 16, 37])
 def test_prefix_attention_merge_matches_attention_over_all_parts(
-    kernel: CpuKernels, hq: int, hkv: int, d: int, bs: int, prefix_len: int
+    flavor: Flavor, hq: int, hkv: int, d: int, bs: int, prefix_len: int
 ) -> None:
     """Rows that attended to their own keys (out, lse) and then, through the kernel, to shared
     prefixes end with attention (and log-sum-exp) over all their keys; other rows untouched.
@@ -309,13 +453,13 @@ def test_prefix_attention_merge_matches_attention_over_all_parts(
     """
     gen = torch.Generator().manual_seed(hq + d + prefix_len)
     t, inner, own = 11, 7, 9
-    c = make_case(hq, hkv, d, bs, [1], [prefix_len + inner + own], seed=prefix_len)
+    c = make_case(hq, hkv, d, bs, [1], [prefix_len + inner + own], prefix_len, flavor.dtype)
     kc, vc = c["k_cache"], c["v_cache"]
     bt = c["block_tables"][0].tolist()
     slots_all = [bt[i // bs] * bs + i % bs for i in range(prefix_len + inner + own)]
     k = kc.reshape(-1, hkv, d)[slots_all].double()  # [L, Hkv, D]
     v = vc.reshape(-1, hkv, d)[slots_all].double()
-    q = torch.randn(t, hq + 2 * hkv, d, generator=gen)[:, :hq] * 2  # a column slice, like qkv
+    q = (torch.randn(t, hq + 2 * hkv, d, generator=gen) * 2).to(flavor.dtype)[:, :hq]  # a slice
     grp = hq // hkv
     scale = 0.3
 
@@ -338,7 +482,9 @@ def test_prefix_attention_merge_matches_attention_over_all_parts(
         rows = torch.tensor([r for _, rs in parts for r in rs])
         slot_off = torch.tensor([0] + [len(keys) for keys, _ in parts]).cumsum(0)
         row_off = torch.tensor([0] + [len(rs) for _, rs in parts]).cumsum(0)
-        kernel.prefix_attention_merge_(q, kc, vc, slots, slot_off, rows, row_off, out, lse, scale)
+        flavor.kernel.prefix_attention_merge_(
+            q, kc, vc, slots, slot_off, rows, row_off, out, lse, scale
+        )
 
     call([(mid, [7, 0, 3]), (outer, [1, 5])])
     call([(outer, [7, 0, 3, 10, 4])])
@@ -414,10 +560,10 @@ def test_concurrent_first_loads_both_get_the_kernels(
     compiling, second_done = threading.Event(), threading.Event()
     real_compile = cpu_kernels._compile
 
-    def slow_compile(cc: str):
+    def slow_compile(cc: str, flags: list[str]):
         compiling.set()
         second_done.wait(timeout=2.0)  # the second caller returns early, or waits on the lock
-        return real_compile(cc)
+        return real_compile(cc, flags)
 
     monkeypatch.setattr(cpu_kernels, "_compile", slow_compile)
     got: dict[str, object] = {}

@@ -1,12 +1,13 @@
-/* CPU kernels, fp32, built and loaded at run time by cpu_kernels.py (cc -O3 -march=native
- * -fopenmp) and called through ctypes:
- *   paged_attention_f32  attention reading K/V in place from the block-paged cache (no gather),
+/* CPU kernels, built and loaded at run time by cpu_kernels.py (cc -O3 -march=native -fopenmp)
+ * and called through ctypes. fp32 (_f32) and bf16-storage (_bf16) variants:
+ *   paged_attention_*    attention reading K/V in place from the block-paged cache (no gather),
  *                        per token (decodes) or in 16-row tiles (prefills, extends)
- *   store_kv_f32         the step's new K/V into their cache slots
- *   rms_norm_f32, rope_f32, silu_mul_f32   one-pass layer ops
+ *   store_kv_*           the step's new K/V into their cache slots
+ *   rms_norm_*, rope_*, silu_mul_*   one-pass layer ops
+ *   prefix_attention_merge_*  shared prefixes attended by their rows and merged, in one call
+ * fp32 only:
  *   uniform_noise_f32    the sampler's hashed uniforms (bit for bit the PyTorch formula)
  *   race_draw_f32        the sampler's temperature-only draw, fused (noise, weights, race)
- *   prefix_attention_merge_f32  shared prefixes attended by their rows and merged, in one call
  *
  * paged_attention_f32's layouts (all fp32 / int32, row-major):
  *   q        [T, Hq, D]   row t at q + t*q_stride, head h at + h*D (heads contiguous)
@@ -22,6 +23,14 @@
  * New token i of sequence b (q row cu[b]+i) sits at position p = seq_lens[b] - q_len + i and
  * attends to keys k_start[b] .. p. Query head h uses KV head h / (Hq/Hkv). When a row sees no
  * key at all, out is 0 and lse is -inf.
+ *
+ * bf16 storage (paged_attention_bf16, prefix_attention_merge_bf16): q, k_cache and v_cache hold
+ * bf16 (uint16 bit patterns), lse stays fp32, out is bf16 or fp32 (out_bf16). K/V are converted
+ * to fp32 in registers (or while a tile's keys are gathered); softmax and every sum run in fp32,
+ * and the output is rounded once (round to nearest even). With AVX512-BF16 (__AVX512BF16__) the
+ * q.k dot products of bf16 q and K use vdpbf16ps (fp32 sums of exact bf16 products).
+ * The dtype is a compile-time constant (BF) of the always-inline inner functions, a run-time flag
+ * (Args.bf16) of the outer ones: one source for both, the fp32 code paths unchanged.
  *
  * Work items are (sequence, KV head) pairs; the G = Hq/Hkv query heads of a KV head are
  * processed together so each key and value row is read once per query token.
@@ -39,15 +48,15 @@
 #endif
 
 typedef struct {
-    const float *q;
-    const float *k_cache;
-    const float *v_cache;
+    const void *q;       /* fp32 or bf16 (bf16) */
+    const void *k_cache; /* fp32 or bf16 (bf16) */
+    const void *v_cache;
     const int32_t *block_tables;
     const int32_t *cu_seqlens_q;
     const int32_t *seq_lens;
     const int32_t *k_start;
     const int32_t *seqs;
-    float *out;
+    void *out; /* fp32 or bf16 (out_bf16) */
     float *lse;
     int64_t q_stride;
     int64_t bt_stride;
@@ -58,6 +67,8 @@ typedef struct {
     int block_size;
     int max_keys; /* longest key range of any selected sequence (scratch size) */
     float scale;
+    int bf16;     /* q, k_cache, v_cache hold bf16 (else fp32) */
+    int out_bf16; /* out holds bf16 (else fp32) */
 } Args;
 
 typedef struct {
@@ -127,6 +138,90 @@ static inline v16 max16(v16 a, v16 b) {
     return (v16)(((vi16)b & gt) | ((vi16)a & ~gt));
 }
 
+/* ---- bf16: the upper 16 bits of an fp32; fp32 -> bf16 rounds to nearest even (as torch) ---- */
+
+typedef uint16_t vh16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu16 __attribute__((vector_size(64), aligned(4)));
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* bf16 rounding of an fp32 value, as an fp32 (the value torch's bf16 tensor op would store) */
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+static inline v16 load16_bf16(const uint16_t *p) {
+    vh16 h;
+    memcpy(&h, p, sizeof h);
+    return (v16)(__builtin_convertvector(h, vu16) << 16);
+}
+
+static inline vh16 to_bf16x16(v16 x) {
+    const vu16 u = (vu16)x;
+    const vu16 r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const vu16 nan = (vu16)(x != x);
+    return __builtin_convertvector((r & ~nan) | (((u >> 16) | 0x40u) & nan), vh16);
+}
+
+static inline void store16_bf16(uint16_t *p, v16 v) {
+    const vh16 h = to_bf16x16(v);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline v16 round16_bf16(v16 x) {
+    return (v16)(__builtin_convertvector(to_bf16x16(x), vu16) << 16);
+}
+
+/* 16 elements from i of an fp32 (bf = 0) or bf16 (bf = 1) array, as fp32; bf a constant */
+static inline __attribute__((always_inline)) v16 load16_any(const void *p, int64_t i,
+                                                            const int bf) {
+    return bf ? load16_bf16((const uint16_t *)p + i) : load16((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) float load1_any(const void *p, int64_t i,
+                                                             const int bf) {
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* element i of an fp32 or bf16 array, as a pointer */
+static inline void *at_any(const void *p, int64_t i, int bf) {
+    return (char *)p + i * (bf ? 2 : 4);
+}
+
+/* dst[0..n) <- src[0..n) (fp32) in fp32 or rounded to bf16 */
+static void store_row_any(void *dst, const float *src, int n, int bf) {
+    if (!bf) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    int i = 0;
+    for (; i + 16 <= n; i += 16) store16_bf16(d + i, load16(src + i));
+    for (; i < n; i++) d[i] = f32_to_bf16(src[i]);
+}
+
+/* dst[0..n) (fp32) <- src[0..n) (fp32 or bf16) */
+static void load_row_any(float *dst, const void *src, int64_t n, int bf) {
+    if (!bf) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) store16(dst + i, load16_bf16(s + i));
+    for (; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+}
+
 /* s[0..n) <- softmax(s) in place (n >= 1); *lse <- log(sum(exp(s))) when lse is not NULL. */
 static void softmax_row(float *s, int n, float *lse) {
     const int full = n & ~15;
@@ -178,26 +273,34 @@ static inline v16 hsum16(const v16 *a) {
                                    29, 31);
 }
 
-/* scores[g*n + j] = qs[g] . k_j for the n keys at k_base + key_off[j].
- * Keys go in chunks of 16/G so that one hsum16 reduces all G x (16/G) dot products of a chunk
- * and each key row is loaded once. G (a divisor of 16) and D (a multiple of 16) are
- * compile-time constants at each call site (always inlined): the loops unroll into registers. */
-static inline __attribute__((always_inline)) void qk_v16(const float *qs, const float *k_base,
+/* Prefetch the row of D elements (fp32 or bf16) at p: one hint per 64-byte line. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *p, const int D,
+                                                               const int BF) {
+    for (int c = 0; c < D * (BF ? 2 : 4); c += 64) __builtin_prefetch((const char *)p + c);
+}
+
+/* scores[g*n + j] = qs[g] . k_j for the n keys at k_base + key_off[j] (elements; fp32 or, BF,
+ * bf16 keys). Keys go in chunks of 16/G (rounded down) so that one hsum16 reduces all
+ * G x (16/G) dot products of a chunk (lanes past them are zero) and each key row is loaded once.
+ * G (<= 16), D (a multiple of 16) and BF are compile-time constants at each call site (always
+ * inlined): the loops unroll into registers. */
+static inline __attribute__((always_inline)) void qk_v16(const float *qs, const void *k_base,
                                                          const int64_t *key_off, int n,
-                                                         const int G, const int D,
+                                                         const int G, const int D, const int BF,
                                                          float *scores) {
     const int KPC = 16 / G; /* keys per chunk */
     for (int j0 = 0; j0 < n; j0 += KPC) {
         v16 acc[16];
+        for (int i = KPC * G; i < 16; i++) acc[i] = (v16){0};
         for (int jj = 0; jj < KPC; jj++) { /* key rows come from scattered blocks: prefetch */
-            const float *ahead = k_base + key_off[j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1];
-            for (int c = 0; c < D; c += 16) __builtin_prefetch(ahead + c);
+            const int ahead = j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1;
+            prefetch_row(at_any(k_base, key_off[ahead], BF), D, BF);
         }
         for (int jj = 0; jj < KPC; jj++) {
             /* past the last key: reread it (the lanes are dropped below) */
-            const float *kp = k_base + key_off[j0 + jj < n ? j0 + jj : n - 1];
+            const int64_t kp = key_off[j0 + jj < n ? j0 + jj : n - 1];
             v16 kv[D / 16];
-            for (int c = 0; c < D / 16; c++) kv[c] = load16(kp + 16 * c);
+            for (int c = 0; c < D / 16; c++) kv[c] = load16_any(k_base, kp + 16 * c, BF);
             for (int g = 0; g < G; g++) {
                 v16 s = load16(qs + g * D) * kv[0];
                 for (int c = 1; c < D / 16; c++) s += load16(qs + g * D + 16 * c) * kv[c];
@@ -212,19 +315,60 @@ static inline __attribute__((always_inline)) void qk_v16(const float *qs, const 
     }
 }
 
-/* out rows g (out + g*D) = sum_j scores[g*n + j] v_j; G, D compile-time constants as above. */
-static inline __attribute__((always_inline)) void pv_v16(const float *scores, const float *v_base,
+#if defined(__AVX512BF16__)
+/* qk_v16 for bf16 q and K with vdpbf16ps: scores[g*n + j] = scale * (q[g] . k_j), q_h the G
+ * unscaled bf16 rows; each instruction sums pairs of exact bf16 products into fp32 lanes.
+ * D a multiple of 32. */
+static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q_h, float scale,
+                                                            const uint16_t *k_base,
+                                                            const int64_t *key_off, int n,
+                                                            const int G, const int D,
+                                                            float *scores) {
+    const int KPC = 16 / G;
+    __m512bh qv[G][D / 32];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < D / 32; c++)
+            qv[g][c] = (__m512bh)_mm512_loadu_si512(q_h + g * D + 32 * c);
+    for (int j0 = 0; j0 < n; j0 += KPC) {
+        v16 acc[16];
+        for (int i = KPC * G; i < 16; i++) acc[i] = (v16){0};
+        for (int jj = 0; jj < KPC; jj++) {
+            const int ahead = j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1;
+            prefetch_row(k_base + key_off[ahead], D, 1);
+        }
+        for (int jj = 0; jj < KPC; jj++) {
+            const uint16_t *kp = k_base + key_off[j0 + jj < n ? j0 + jj : n - 1];
+            __m512bh kv[D / 32];
+            for (int c = 0; c < D / 32; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
+            for (int g = 0; g < G; g++) {
+                __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+                for (int c = 1; c < D / 32; c++) s = _mm512_dpbf16_ps(s, qv[g][c], kv[c]);
+                acc[jj * G + g] = (v16)s;
+            }
+        }
+        float r[16];
+        store16(r, hsum16(acc) * scale);
+        const int m = n - j0 < KPC ? n - j0 : KPC;
+        for (int jj = 0; jj < m; jj++)
+            for (int g = 0; g < G; g++) scores[g * n + j0 + jj] = r[jj * G + g];
+    }
+}
+#endif
+
+/* out rows g (out + g*D, fp32) = sum_j scores[g*n + j] v_j; G, D, BF compile-time constants as
+ * above. */
+static inline __attribute__((always_inline)) void pv_v16(const float *scores, const void *v_base,
                                                          const int64_t *key_off, int n,
-                                                         const int G, const int D, float *out) {
+                                                         const int G, const int D, const int BF,
+                                                         float *out) {
     v16 o[G][D / 16];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < D / 16; c++) o[g][c] = (v16){0};
     for (int j = 0; j < n; j++) {
-        const float *vp = v_base + key_off[j];
-        const float *ahead = v_base + key_off[j + PREFETCH < n ? j + PREFETCH : n - 1];
-        for (int c = 0; c < D; c += 16) __builtin_prefetch(ahead + c);
+        const int64_t vp = key_off[j];
+        prefetch_row(at_any(v_base, key_off[j + PREFETCH < n ? j + PREFETCH : n - 1], BF), D, BF);
         v16 vv[D / 16];
-        for (int c = 0; c < D / 16; c++) vv[c] = load16(vp + 16 * c);
+        for (int c = 0; c < D / 16; c++) vv[c] = load16_any(v_base, vp + 16 * c, BF);
         for (int g = 0; g < G; g++) {
             const float p = scores[g * n + j];
             for (int c = 0; c < D / 16; c++) o[g][c] += p * vv[c];
@@ -235,77 +379,100 @@ static inline __attribute__((always_inline)) void pv_v16(const float *scores, co
 }
 
 /* One query token of one (sequence, KV head): G rows of q against n keys whose rows start at
- * k_cache/v_cache + key_off[j] + kv_head*D. With fast = 1, G divides 16 and D is a multiple of
- * 16, both compile-time constants (see attend_row_group_dispatch). */
+ * k_cache/v_cache + key_off[j] + kv_head*D (elements). With fast = 1, G <= 16 and D is a
+ * multiple of 16, both compile-time constants (see attend_row_group_dispatch); BF (constant):
+ * q and the caches hold bf16. */
 static inline __attribute__((always_inline)) void attend_row_group(
-    const Args *a, const int64_t *key_off, int n, const float *q_row, int kv_head,
-    float *out_row, float *lse_row, float *scores, float *qs, float *acc, const int G,
-    const int D, const int fast) {
-    const float *k_base = a->k_cache + (int64_t)kv_head * D;
-    const float *v_base = a->v_cache + (int64_t)kv_head * D;
-    float *out_h = out_row + (int64_t)kv_head * G * D; /* the G heads of this KV head */
+    const Args *a, const int64_t *key_off, int n, const void *q_row, int kv_head,
+    void *out_row, float *lse_row, float *scores, float *qs, float *acc, const int G,
+    const int D, const int fast, const int BF) {
+    const void *k_base = at_any(a->k_cache, (int64_t)kv_head * D, BF);
+    const void *v_base = at_any(a->v_cache, (int64_t)kv_head * D, BF);
+    const int obf = BF && a->out_bf16; /* 0 for fp32 */
+    void *out_h = at_any(out_row, (int64_t)kv_head * G * D, obf); /* the G heads of this KV head */
     if (n <= 0) {
-        memset(out_h, 0, sizeof(float) * G * D);
+        memset(out_h, 0, (size_t)G * D * (obf ? 2 : 4));
         if (lse_row)
             for (int g = 0; g < G; g++) lse_row[kv_head * G + g] = -INFINITY;
         return;
     }
-    /* qs[g][d] = q * scale */
-    const float *q_h = q_row + (int64_t)kv_head * G * D;
+    const void *q_h = at_any(q_row, (int64_t)kv_head * G * D, BF);
+    /* scores[g][j] = scale * q[g] . k_j */
+#if defined(__AVX512BF16__)
+    if (fast && BF && D % 32 == 0) {
+        qk_dpbf16((const uint16_t *)q_h, a->scale, (const uint16_t *)k_base, key_off, n, G, D,
+                  scores);
+    } else
+#endif
+    {
+        /* qs[g][d] = q * scale */
 #pragma omp simd
-    for (int i = 0; i < G * D; i++) qs[i] = q_h[i] * a->scale;
-    /* scores[g][j] = qs[g] . k_j */
-    if (fast) {
-        qk_v16(qs, k_base, key_off, n, G, D, scores);
-    } else {
-        for (int j = 0; j < n; j++) {
-            const float *kp = k_base + key_off[j];
-            for (int g = 0; g < G; g++) {
-                const float *qg = qs + g * D;
-                float s = 0.0f;
+        for (int i = 0; i < G * D; i++) qs[i] = load1_any(q_h, i, BF) * a->scale;
+        if (fast) {
+            qk_v16(qs, k_base, key_off, n, G, D, BF, scores);
+        } else {
+            for (int j = 0; j < n; j++) {
+                const void *kp = at_any(k_base, key_off[j], BF);
+                for (int g = 0; g < G; g++) {
+                    const float *qg = qs + g * D;
+                    float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < D; d++) s += qg[d] * kp[d];
-                scores[g * n + j] = s;
+                    for (int d = 0; d < D; d++) s += qg[d] * load1_any(kp, d, BF);
+                    scores[g * n + j] = s;
+                }
             }
         }
     }
     /* softmax per row, normalized in place */
     for (int g = 0; g < G; g++)
         softmax_row(scores + g * n, n, lse_row ? lse_row + kv_head * G + g : NULL);
-    /* out[g] = sum_j p[g][j] v_j */
+    /* out[g] = sum_j p[g][j] v_j, in fp32: straight into out, or into acc and then rounded */
+    float *dst = obf ? acc : (float *)out_h;
     if (fast) {
-        pv_v16(scores, v_base, key_off, n, G, D, out_h);
-        return;
-    }
-    memset(acc, 0, sizeof(float) * G * D);
-    for (int j = 0; j < n; j++) {
-        const float *vp = v_base + key_off[j];
-        for (int g = 0; g < G; g++) {
-            const float p = scores[g * n + j];
-            float *ag = acc + g * D;
+        pv_v16(scores, v_base, key_off, n, G, D, BF, dst);
+    } else {
+        memset(acc, 0, sizeof(float) * G * D);
+        for (int j = 0; j < n; j++) {
+            const void *vp = at_any(v_base, key_off[j], BF);
+            for (int g = 0; g < G; g++) {
+                const float p = scores[g * n + j];
+                float *ag = acc + g * D;
 #pragma omp simd
-            for (int d = 0; d < D; d++) ag[d] += p * vp[d];
+                for (int d = 0; d < D; d++) ag[d] += p * load1_any(vp, d, BF);
+            }
         }
+        if (!obf) memcpy(dst, acc, sizeof(float) * G * D);
     }
-    memcpy(out_h, acc, sizeof(float) * G * D);
+    if (obf) store_row_any(out_h, acc, G * D, 1);
 }
 
-/* attend_row_group specialized for the common (G, D) pairs; anything else runs generic code. */
+/* attend_row_group specialized for the common (G, D) pairs and both dtypes; anything else runs
+ * generic code. */
 static void attend_row_group_dispatch(const Args *a, const int64_t *key_off, int n,
-                                      const float *q_row, int kv_head, float *out_row,
+                                      const void *q_row, int kv_head, void *out_row,
                                       float *lse_row, float *scores, float *qs, float *acc) {
     const int G = a->num_heads / a->num_kv_heads;
     const int D = a->head_dim;
 #define CASE(g, d)                                                                             \
     if (G == g && D == d) {                                                                    \
-        attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, g, \
-                         d, 1);                                                                \
+        if (a->bf16)                                                                           \
+            attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, \
+                             g, d, 1, 1);                                                      \
+        else                                                                                   \
+            attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, \
+                             g, d, 1, 0);                                                      \
         return;                                                                                \
     }
-    CASE(1, 64) CASE(2, 64) CASE(4, 64) CASE(8, 64)
-    CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(8, 128)
+    /* G = 5, 6, 7: Qwen2.5's 40:8, 12:2, 14:2 and 28:4 heads */
+    CASE(1, 64) CASE(2, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64)
+    CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(5, 128) CASE(6, 128) CASE(7, 128) CASE(8, 128)
 #undef CASE
-    attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, G, D, 0);
+    if (a->bf16)
+        attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, G, D,
+                         0, 1);
+    else
+        attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, G, D,
+                         0, 0);
 }
 
 static void run_task(Task *t) {
@@ -313,7 +480,7 @@ static void run_task(Task *t) {
     const int G = a->num_heads / a->num_kv_heads;
     const int D = a->head_dim;
     const int bs = a->block_size;
-    const int64_t kv_row = (int64_t)a->num_kv_heads * D; /* floats per slot */
+    const int64_t kv_row = (int64_t)a->num_kv_heads * D; /* elements per slot */
     const size_t n_scores = (size_t)G * (a->max_keys + 16);
     float *scratch = (float *)malloc(sizeof(float) * (n_scores + 2 * (size_t)G * D));
     int64_t *key_off = (int64_t *)malloc(sizeof(int64_t) * ((size_t)a->max_keys + 1));
@@ -334,7 +501,7 @@ static void run_task(Task *t) {
         const int q_len = a->cu_seqlens_q[b + 1] - q0;
         const int seq_len = a->seq_lens[b];
         const int k0 = a->k_start ? a->k_start[b] : 0;
-        if (b != prev_b) { /* float offset of each key's slot row, k0 .. seq_len-1 */
+        if (b != prev_b) { /* element offset of each key's slot row, k0 .. seq_len-1 */
             const int32_t *table = a->block_tables + (int64_t)b * a->bt_stride;
             for (int pos = k0, j = 0; pos < seq_len; pos++, j++)
                 key_off[j] = ((int64_t)table[pos / bs] * bs + pos % bs) * kv_row;
@@ -343,9 +510,11 @@ static void run_task(Task *t) {
         for (int i = 0; i < q_len; i++) {
             const int pos = seq_len - q_len + i;
             const int64_t row = q0 + i;
-            attend_row_group_dispatch(a, key_off, pos + 1 - k0, a->q + row * a->q_stride, kv_head,
-                             a->out + row * (int64_t)a->num_heads * D,
-                             a->lse ? a->lse + row * (int64_t)a->num_heads : NULL, scores, qs, acc);
+            attend_row_group_dispatch(a, key_off, pos + 1 - k0,
+                                      at_any(a->q, row * a->q_stride, a->bf16), kv_head,
+                                      at_any(a->out, row * (int64_t)a->num_heads * D, a->out_bf16),
+                                      a->lse ? a->lse + row * (int64_t)a->num_heads : NULL,
+                                      scores, qs, acc);
         }
     }
     free(scratch);
@@ -452,16 +621,22 @@ static inline void transpose16(v16 *r) {
 }
 #undef SWAP_BLOCKS
 
-/* A tile's query rows into its transposed layout: qt[16*d + lane] = rows[lane][d] * scale. */
-static void load_tile(const float *const *rows, float scale, int D, float *qt) {
+/* A tile's query rows (fp32, or bf16 when bf) into its transposed fp32 layout:
+ * qt[16*d + lane] = rows[lane][d] * scale. */
+static void load_tile(const void *const *rows, int bf, float scale, int D, float *qt) {
     if (D % 16) {
         for (int lane = 0; lane < 16; lane++)
-            for (int d = 0; d < D; d++) qt[16 * d + lane] = rows[lane][d] * scale;
+            for (int d = 0; d < D; d++)
+                qt[16 * d + lane] =
+                    (bf ? load1_any(rows[lane], d, 1) : load1_any(rows[lane], d, 0)) * scale;
         return;
     }
     for (int c = 0; c < D; c += 16) {
         v16 r[16];
-        for (int lane = 0; lane < 16; lane++) r[lane] = load16(rows[lane] + c) * scale;
+        if (bf)
+            for (int lane = 0; lane < 16; lane++) r[lane] = load16_any(rows[lane], c, 1) * scale;
+        else
+            for (int lane = 0; lane < 16; lane++) r[lane] = load16_any(rows[lane], c, 0) * scale;
         transpose16(r);
         for (int j = 0; j < 16; j++) store16(qt + 16 * (c + j), r[j]);
     }
@@ -490,6 +665,7 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
     const int D = a->head_dim;
     const int bs = a->block_size;
     const int64_t kv_row = (int64_t)a->num_kv_heads * D;
+    const int bf = a->bf16;
     const int b = a->seqs[it->seq];
     const int q0 = a->cu_seqlens_q[b];
     const int q_len = a->cu_seqlens_q[b + 1] - q0;
@@ -502,8 +678,8 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
     for (int j = 0; j < num_keys; j++) {
         const int p = k0 + j;
         const int64_t off = ((int64_t)table[p / bs] * bs + p % bs) * kv_row + (int64_t)it->kv_head * D;
-        memcpy(kbuf + (int64_t)j * D, a->k_cache + off, sizeof(float) * D);
-        memcpy(vbuf + (int64_t)j * D, a->v_cache + off, sizeof(float) * D);
+        load_row_any(kbuf + (int64_t)j * D, at_any(a->k_cache, off, bf), D, bf);
+        load_row_any(vbuf + (int64_t)j * D, at_any(a->v_cache, off, bf), D, bf);
     }
     const int padded = (num_keys + 15) & ~15;
     memset(kbuf + (int64_t)num_keys * D, 0, sizeof(float) * D * (padded - num_keys));
@@ -512,17 +688,18 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
     const int rows = (it->t_end - it->t_begin) * G;
     for (int r0 = 0; r0 < rows; r0 += TILE) {
         int32_t pos_l[16];
-        const float *qrows[16];
+        const void *qrows[16];
         int pos_min = 1 << 30, pos_max = -1;
         for (int lane = 0; lane < 16; lane++) { /* lanes past the last row repeat it */
             const int r = r0 + lane < rows ? r0 + lane : rows - 1;
             const int t = it->t_begin + r / G, g = r % G;
-            qrows[lane] = a->q + (int64_t)(q0 + t) * a->q_stride + (int64_t)(it->kv_head * G + g) * D;
+            qrows[lane] = at_any(a->q, (int64_t)(q0 + t) * a->q_stride +
+                                           (int64_t)(it->kv_head * G + g) * D, bf);
             pos_l[lane] = first_pos + t;
             if (pos_l[lane] < pos_min) pos_min = pos_l[lane];
             if (pos_l[lane] > pos_max) pos_max = pos_l[lane];
         }
-        load_tile(qrows, a->scale, D, qt);
+        load_tile(qrows, bf, a->scale, D, qt);
         vi16 pos;
         memcpy(&pos, pos_l, sizeof pos);
         v16 m, l;
@@ -532,10 +709,13 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
             const int r = r0 + lane;
             const int t = it->t_begin + r / G, h = it->kv_head * G + r % G;
             const int64_t row = q0 + t;
-            float *o = a->out + (row * a->num_heads + h) * D;
+            const int64_t o = (row * a->num_heads + h) * D;
             const float inv = l[lane] > 0.0f ? 1.0f / l[lane] : 0.0f;
             const float *src = orow + (int64_t)lane * D;
-            for (int d = 0; d < D; d++) o[d] = src[d] * inv;
+            if (a->out_bf16)
+                for (int d = 0; d < D; d++) ((uint16_t *)a->out)[o + d] = f32_to_bf16(src[d] * inv);
+            else
+                for (int d = 0; d < D; d++) ((float *)a->out)[o + d] = src[d] * inv;
             if (a->lse) a->lse[row * a->num_heads + h] = l[lane] > 0.0f ? m[lane] + logf(l[lane]) : -INFINITY;
         }
     }
@@ -612,12 +792,12 @@ typedef struct {
     int64_t p0, p1; /* (row, head) pairs p0 .. p1-1 of the prefix's rows */
 } PrefixItem;
 
-int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_cache,
-                               const float *v_cache, const int64_t *slots,
-                               const int64_t *slot_off, const int64_t *rows,
-                               const int64_t *row_off, int num_prefixes, float *out, float *lse,
-                               int num_heads, int num_kv_heads, int head_dim, float scale,
-                               int num_threads) {
+static int prefix_attention_merge(const void *q, int64_t q_stride, const void *k_cache,
+                                  const void *v_cache, const int64_t *slots,
+                                  const int64_t *slot_off, const int64_t *rows,
+                                  const int64_t *row_off, int num_prefixes, float *out,
+                                  float *lse, int num_heads, int num_kv_heads, int head_dim,
+                                  float scale, int num_threads, int bf) {
     if (num_prefixes <= 0) return 0;
     const int G = num_heads / num_kv_heads;
     const int D = head_dim;
@@ -678,9 +858,9 @@ int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_
         float *base = kv + kv_at[c];
         for (int h = 0; h < num_kv_heads; h++) {
             const int64_t off = slots[j] * kv_row + (int64_t)h * D;
-            memcpy(base + ((int64_t)h * padded + p) * D, k_cache + off, sizeof(float) * D);
-            memcpy(base + ((int64_t)(num_kv_heads + h) * padded + p) * D, v_cache + off,
-                   sizeof(float) * D);
+            load_row_any(base + ((int64_t)h * padded + p) * D, at_any(k_cache, off, bf), D, bf);
+            load_row_any(base + ((int64_t)(num_kv_heads + h) * padded + p) * D,
+                         at_any(v_cache, off, bf), D, bf);
         }
     }
 #ifdef _OPENMP
@@ -702,12 +882,13 @@ int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_
         const int64_t *crows = rows + row_off[c];
         const vi16 pos = (vi16){0} + (prefix_len - 1); /* every key visible; padding masked */
         for (int64_t r0 = it.p0; r0 < it.p1; r0 += TILE) {
-            const float *qrows[16];
+            const void *qrows[16];
             for (int lane = 0; lane < 16; lane++) { /* lanes past the last pair repeat it */
                 const int64_t pr = r0 + lane < it.p1 ? r0 + lane : it.p1 - 1;
-                qrows[lane] = q + crows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D;
+                qrows[lane] =
+                    at_any(q, crows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D, bf);
             }
-            load_tile(qrows, scale, D, qt);
+            load_tile(qrows, bf, scale, D, qt);
             v16 m, l;
             tile_attend_dispatch(kbuf, vbuf, prefix_len, 0, qt, pos, prefix_len - 1,
                                  prefix_len - 1, ot, &m, &l, D);
@@ -735,6 +916,30 @@ int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_
     free(items);
     free(scratch);
     return 0;
+}
+
+int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_cache,
+                               const float *v_cache, const int64_t *slots,
+                               const int64_t *slot_off, const int64_t *rows,
+                               const int64_t *row_off, int num_prefixes, float *out, float *lse,
+                               int num_heads, int num_kv_heads, int head_dim, float scale,
+                               int num_threads) {
+    return prefix_attention_merge(q, q_stride, k_cache, v_cache, slots, slot_off, rows, row_off,
+                                  num_prefixes, out, lse, num_heads, num_kv_heads, head_dim,
+                                  scale, num_threads, 0);
+}
+
+/* prefix_attention_merge_f32 with q, k_cache and v_cache in bf16; out and lse stay fp32 (the
+ * merge reads and rewrites them: the caller rounds out once, after the last merge). */
+int prefix_attention_merge_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int64_t *slots,
+                                const int64_t *slot_off, const int64_t *rows,
+                                const int64_t *row_off, int num_prefixes, float *out, float *lse,
+                                int num_heads, int num_kv_heads, int head_dim, float scale,
+                                int num_threads) {
+    return prefix_attention_merge(q, q_stride, k_cache, v_cache, slots, slot_off, rows, row_off,
+                                  num_prefixes, out, lse, num_heads, num_kv_heads, head_dim,
+                                  scale, num_threads, 1);
 }
 
 /* The per-token variant of paged_attention_f32. Returns 0 on success, nonzero when a thread's
@@ -804,7 +1009,22 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
     if (num_seqs <= 0) return 0;
     const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
                     out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
-                    block_size, 0, scale};
+                    block_size, 0, scale, 0, 0};
+    return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
+}
+
+/* paged_attention_f32 with q, k_cache and v_cache in bf16; out in bf16 (out_bf16 = 1) or fp32
+ * (for a prefix_attention_merge_bf16 to follow), lse fp32. */
+int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                         const uint16_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                         const int32_t *cu_seqlens_q, const int32_t *seq_lens,
+                         const int32_t *k_start, const int32_t *seqs, int num_seqs, void *out,
+                         int out_bf16, float *lse, int num_heads, int num_kv_heads, int head_dim,
+                         int block_size, float scale, int tiled, int num_threads) {
+    if (num_seqs <= 0) return 0;
+    const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
+                    out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
+                    block_size, 0, scale, 1, out_bf16 != 0};
     return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
 }
 
@@ -818,6 +1038,18 @@ void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_st
         if (slot < 0) continue;
         memcpy(k_cache + slot * row_floats, k + t * k_stride, sizeof(float) * row_floats);
         memcpy(v_cache + slot * row_floats, v + t * v_stride, sizeof(float) * row_floats);
+    }
+}
+
+/* store_kv_f32 for bf16 rows and caches (row_elems bf16 values per row). */
+void store_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                   uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,
+                   int64_t num_tokens, int64_t row_elems) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row_elems, k + t * k_stride, sizeof(uint16_t) * row_elems);
+        memcpy(v_cache + slot * row_elems, v + t * v_stride, sizeof(uint16_t) * row_elems);
     }
 }
 
@@ -895,6 +1127,101 @@ void silu_mul_f32(float *gate_up, int64_t num_rows, int64_t inter) {
             memcpy(g + i, yb, sizeof(float) * (inter - i));
         }
     }
+}
+
+/* ---- the elementwise layers on bf16 tensors: torch's bf16 ops, each computed in fp32 and
+ * rounded to bf16 (round_bf16) where torch stores a bf16 tensor ---- */
+
+/* RMSNorm as batchgen's RMSNorm (Hugging Face's formula) on bf16: with x in fp32,
+ * y = bf16(w * bf16(x * inv)), inv = 1 / sqrtf(mean(x^2) + eps) in fp32 (the squares of bf16
+ * values are exact; their sum is taken in double, the mean rounded to fp32). x rows at
+ * x + t*x_stride, y contiguous [T, n]. */
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *y,
+                   int64_t num_rows, int64_t n, float eps) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (num_rows * n >= 32768)
+#endif
+    for (int64_t t = 0; t < num_rows; t++) {
+        const uint16_t *xr = x + t * x_stride;
+        uint16_t *yr = y + t * n;
+        double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) {
+            const double xi = bf16_to_f32(xr[i]);
+            ss += xi * xi;
+        }
+        const float ms = (float)(ss / (double)n);
+        const float inv = 1.0f / sqrtf(ms + eps);
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16)
+            store16_bf16(yr + i, load16_bf16(w + i) * round16_bf16(load16_bf16(xr + i) * inv));
+        for (; i < n; i++)
+            yr[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(xr[i]) * inv));
+    }
+}
+
+/* rope_f32 on bf16 x, cos and sin, bit for bit batchgen's rope_ on bf16 tensors:
+ * x1' = bf16(bf16(x1*c) - bf16(x2*s)), x2' = bf16(bf16(x2*c) + bf16(x1*s)). */
+void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos_t, const uint16_t *sin_t,
+               int64_t num_tokens, int64_t num_heads, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (num_tokens * num_heads * head_dim >= 32768)
+#endif
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const uint16_t *c = cos_t + t * half;
+        const uint16_t *s = sin_t + t * half;
+        for (int64_t h = 0; h < num_heads; h++) {
+            uint16_t *x1 = x + t * x_stride + h * head_dim;
+            uint16_t *x2 = x1 + half;
+            int64_t i = 0;
+            for (; i + 16 <= half; i += 16) {
+                const v16 a = load16_bf16(x1 + i), b = load16_bf16(x2 + i);
+                const v16 cv = load16_bf16(c + i), sv = load16_bf16(s + i);
+                store16_bf16(x1 + i, round16_bf16(a * cv) - round16_bf16(b * sv));
+                store16_bf16(x2 + i, round16_bf16(b * cv) + round16_bf16(a * sv));
+            }
+            for (; i < half; i++) {
+                const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                const float cv = bf16_to_f32(c[i]), sv = bf16_to_f32(s[i]);
+                x1[i] = f32_to_bf16(round_bf16(a * cv) - round_bf16(b * sv));
+                x2[i] = f32_to_bf16(round_bf16(b * cv) + round_bf16(a * sv));
+            }
+        }
+    }
+}
+
+/* SwiGLU in place on bf16 gate_up [T, 2I] (contiguous), as batchgen's silu_mul_ on bf16:
+ * g <- bf16(bf16(silu(g)) * u), silu in fp32. */
+void silu_mul_bf16(uint16_t *gate_up, int64_t num_rows, int64_t inter) {
+    const v16 one = (v16){0} + 1.0f;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (num_rows * inter >= 32768)
+#endif
+    for (int64_t t = 0; t < num_rows; t++) {
+        uint16_t *g = gate_up + t * 2 * inter;
+        const uint16_t *u = g + inter;
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16)
+            store16_bf16(g + i, round16_bf16(silu_mul16(load16_bf16(g + i), one)) *
+                                    load16_bf16(u + i));
+        if (i < inter) {
+            uint16_t gb[16] = {0}, ub[16] = {0}, yb[16];
+            memcpy(gb, g + i, sizeof(uint16_t) * (inter - i));
+            memcpy(ub, u + i, sizeof(uint16_t) * (inter - i));
+            store16_bf16(yb, round16_bf16(silu_mul16(load16_bf16(gb), one)) * load16_bf16(ub));
+            memcpy(g + i, yb, sizeof(uint16_t) * (inter - i));
+        }
+    }
+}
+
+/* 1 when this build's bf16 attention uses the AVX512-BF16 dot products, else 0 */
+int cpu_kernels_avx512bf16(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* ---- the sampler's counter-based noise (batchgen/engine/sampler.py, bit for bit) ---- */

@@ -1,7 +1,12 @@
 """CPU kernels in C (``cpu_kernels.c``): paged attention straight from the block-paged KV cache
 (per token for decodes, tiled for prefills and extends), attention over a shared prefix (cascade)
-merged into its rows' results, the K/V store, one-pass RMSNorm, RoPE and SwiGLU, and the
-sampler's hashed noise and temperature-only draw.
+merged into its rows' results, the K/V store, one-pass RMSNorm, RoPE and SwiGLU (each for fp32
+and for bf16 tensors), and the sampler's hashed noise and temperature-only draw (fp32).
+
+bf16 tensors: attention reads bf16 K/V in place and computes in fp32 (AVX512-BF16 dot products
+for q.k where the compiler targets them, a portable conversion otherwise;
+``BATCHGEN_CPU_KERNEL_AVX512BF16=0`` builds without them), rounding its output once; the
+elementwise kernels follow batchgen's PyTorch bf16 layers (see the C file).
 
 The pure-PyTorch path has to copy every sequence's keys and values out of the paged cache into
 contiguous buffers before ``scaled_dot_product_attention`` can read them: on decode steps that
@@ -29,7 +34,7 @@ from torch import Tensor
 
 from batchgen.model.once import Once
 
-__all__ = ["CpuKernels", "for_dtype", "load"]
+__all__ = ["CpuKernels", "build", "for_dtype", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,9 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -fopenmp: the library needs libgomp.so.1, which resolves to the copy torch has already loaded,
 # so the kernel's threads are torch's intra-op pool (see the C file)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+# the portable bf16 build: bf16 converted by shifts, no AVX512-BF16 instructions
+_NO_AVX512BF16 = ["-mno-avx512bf16"]
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _cache_dir() -> Path:
@@ -54,14 +62,14 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compile(cc: str) -> Path:
+def _compile(cc: str, flags: list[str] = _FLAGS) -> Path:
     """Build the shared library unless a matching one is cached; returns its path."""
     source = _SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         b"\0".join(
             s.encode() if isinstance(s, str) else s
-            for s in (source, " ".join(_FLAGS), version, platform.machine(), _cpu_signature())
+            for s in (source, " ".join(flags), version, platform.machine(), _cpu_signature())
         )
     ).hexdigest()[:16]
     folder = _cache_dir()
@@ -74,7 +82,7 @@ def _compile(cc: str) -> Path:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
+            [cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
         )
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed")
@@ -85,43 +93,56 @@ def _compile(cc: str) -> Path:
     return target
 
 
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _bind(fn: ctypes._CFuncPtr, restype: type | None, *argtypes: type) -> ctypes._CFuncPtr:
+    """``fn`` with its ctypes signature set."""
+    fn.argtypes = list(argtypes)
+    fn.restype = restype
+    return fn
+
+
 class CpuKernels:
     """ctypes bindings of the C functions (see the C file for their exact semantics). Each method
     checks dtypes, shapes and strides (not the index values inside its tensors: those come from
-    the engine) and raises ValueError rather than pass a mislaid pointer."""
+    the engine) and raises ValueError rather than pass a mislaid pointer. Layer and attention
+    methods take fp32 or bf16 tensors (one dtype per call; lse is always fp32)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        fn = lib.paged_attention_f32
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i32, p, p, i32, i32, i32, i32,
-                       ctypes.c_float, i32, i32]  # fmt: skip
-        fn.restype = ctypes.c_int
-        self._attention = fn
-        store = lib.store_kv_f32
-        store.argtypes = [p, i64, p, i64, p, p, p, i64, i64]
-        store.restype = None
-        self._store = store
-        self._rms_norm = lib.rms_norm_f32
-        self._rms_norm.argtypes = [p, i64, p, p, i64, i64, ctypes.c_float]
-        self._rms_norm.restype = None
-        self._rope = lib.rope_f32
-        self._rope.argtypes = [p, i64, p, p, i64, i64, i64]
-        self._rope.restype = None
-        self._silu_mul = lib.silu_mul_f32
-        self._silu_mul.argtypes = [p, i64, i64]
-        self._silu_mul.restype = None
-        self._noise = lib.uniform_noise_f32
-        self._noise.argtypes = [p, p, i64, p, i64, i64]
-        self._noise.restype = None
-        self._race = lib.race_draw_f32
-        self._race.argtypes = [p, i64, p, p, i64, i64, p]
-        self._race.restype = None
-        self._prefix = lib.prefix_attention_merge_f32
-        self._prefix.argtypes = [p, i64, p, p, p, p, p, p, i32, p, p, i32, i32, i32,
-                                 ctypes.c_float, i32]  # fmt: skip
-        self._prefix.restype = ctypes.c_int
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self._attention = _bind(lib.paged_attention_f32, ctypes.c_int, p, i64, p, p, p, i64, p,
+                                p, p, p, i32, p, p, i32, i32, i32, i32, f32, i32, i32)  # fmt: skip
+        self._attention_bf16 = _bind(lib.paged_attention_bf16, ctypes.c_int, p, i64, p, p, p, i64,
+                                     p, p, p, p, i32, p, i32, p, i32, i32, i32, i32, f32, i32,
+                                     i32)  # fmt: skip
+        self._store = {
+            dt: _bind(getattr(lib, f"store_kv_{sfx}"), None, p, i64, p, i64, p, p, p, i64, i64)
+            for dt, sfx in _SUFFIX.items()
+        }
+        self._rms_norm = {
+            dt: _bind(getattr(lib, f"rms_norm_{sfx}"), None, p, i64, p, p, i64, i64, f32)
+            for dt, sfx in _SUFFIX.items()
+        }
+        self._rope = {
+            dt: _bind(getattr(lib, f"rope_{sfx}"), None, p, i64, p, p, i64, i64, i64)
+            for dt, sfx in _SUFFIX.items()
+        }
+        self._silu_mul = {
+            dt: _bind(getattr(lib, f"silu_mul_{sfx}"), None, p, i64, i64)
+            for dt, sfx in _SUFFIX.items()
+        }
+        prefix_args = (p, i64, p, p, p, p, p, p, i32, p, p, i32, i32, i32, f32, i32)
+        self._prefix = {
+            dt: _bind(getattr(lib, f"prefix_attention_merge_{sfx}"), ctypes.c_int, *prefix_args)
+            for dt, sfx in _SUFFIX.items()
+        }
+        self._noise = _bind(lib.uniform_noise_f32, None, p, p, i64, p, i64, i64)
+        self._race = _bind(lib.race_draw_f32, None, p, i64, p, p, i64, i64, p)
         self.path = path
+        # whether bf16 attention uses the AVX512-BF16 dot products (else the portable path)
+        self.avx512bf16 = bool(_bind(lib.cpu_kernels_avx512bf16, ctypes.c_int)())
 
     def prefix_attention_merge_(
         self,
@@ -140,13 +161,16 @@ class CpuKernels:
         ``prefix_attention_merge_f32``). Prefix c: cache slots ``slots[slot_offsets[c] :
         slot_offsets[c + 1]]``, q rows ``rows[row_offsets[c] : row_offsets[c + 1]]``; a row
         belongs to one prefix at most. q ``[T, Hq, D]`` with each row's heads contiguous; caches
-        ``[num_blocks, block_size, Hkv, D]``; out ``[T, Hq, D]`` and lse ``[T, Hq]`` contiguous;
-        fp32 but the indices (int64, contiguous)."""
+        ``[num_blocks, block_size, Hkv, D]``; q and caches fp32 or bf16; out ``[T, Hq, D]`` and
+        lse ``[T, Hq]`` contiguous fp32 (also for bf16 q: the caller rounds out once, after the
+        last merge); indices int64, contiguous."""
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
         c = slot_offsets.numel() - 1
         if not (
-            q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == lse.dtype == torch.float32
+            q.dtype in _DTYPES
+            and q.dtype == k_cache.dtype == v_cache.dtype
+            and out.dtype == lse.dtype == torch.float32
             and q.stride(2) == 1
             and q.stride(1) == d
             and k_cache.is_contiguous()
@@ -165,10 +189,11 @@ class CpuKernels:
             and row_offsets.numel() == c + 1
         ):
             raise ValueError("cpu prefix attention: unsupported dtypes, shapes or strides")
-        rc = self._prefix(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                          slots.data_ptr(), slot_offsets.data_ptr(), rows.data_ptr(),
-                          row_offsets.data_ptr(), c, out.data_ptr(), lse.data_ptr(), hq, hkv, d,
-                          scale, torch.get_num_threads())  # fmt: skip
+        rc = self._prefix[q.dtype](q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                                   v_cache.data_ptr(), slots.data_ptr(), slot_offsets.data_ptr(),
+                                   rows.data_ptr(), row_offsets.data_ptr(), c, out.data_ptr(),
+                                   lse.data_ptr(), hq, hkv, d, scale,
+                                   torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise MemoryError("cpu prefix attention: out of memory for its buffers")
 
@@ -222,28 +247,33 @@ class CpuKernels:
         return tokens
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim: x ``[..., n]`` fp32 whose
-        rows are contiguous (any row stride for 2-D x), weight ``[n]`` -> new contiguous tensor."""
+        """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim: x ``[..., n]`` fp32 or bf16
+        whose rows are contiguous (any row stride for 2-D x), weight ``[n]`` of x's dtype -> new
+        contiguous tensor. bf16: ``bf16(weight * bf16(x * inv))``, inv in fp32 (RMSNorm's HF
+        formula)."""
         n = x.shape[-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, n)
         if not (
-            x.dtype == weight.dtype == torch.float32
+            x.dtype in _DTYPES
+            and x.dtype == weight.dtype
             and x2.stride(-1) == 1
             and weight.is_contiguous()
             and weight.numel() == n
         ):
             raise ValueError("cpu rms_norm: unsupported dtypes, shapes or strides")
         y = torch.empty(x.shape, dtype=x.dtype)
-        self._rms_norm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), y.data_ptr(),
-                       x2.shape[0], n, eps)  # fmt: skip
+        self._rms_norm[x.dtype](x2.data_ptr(), x2.stride(0), weight.data_ptr(), y.data_ptr(),
+                                x2.shape[0], n, eps)  # fmt: skip
         return y
 
     def rope_(self, x: Tensor, cos: Tensor, sin: Tensor) -> None:
-        """Rotate-half RoPE in place: x ``[T, H, D]`` fp32 with each row's heads contiguous
-        (a column slice of qkv is fine); cos/sin ``[T, D/2]`` contiguous fp32."""
+        """Rotate-half RoPE in place: x ``[T, H, D]`` fp32 or bf16 with each row's heads
+        contiguous (a column slice of qkv is fine); cos/sin ``[T, D/2]`` contiguous, x's dtype.
+        bf16: bit for bit :func:`batchgen.model.layers.rotary.rope_` on bf16 tensors."""
         t, h, d = x.shape
         if not (
-            x.dtype == cos.dtype == sin.dtype == torch.float32
+            x.dtype in _DTYPES
+            and x.dtype == cos.dtype == sin.dtype
             and x.stride(2) == 1
             and x.stride(1) == d
             and d % 2 == 0
@@ -252,26 +282,28 @@ class CpuKernels:
             and cos.shape == sin.shape == (t, d // 2)
         ):
             raise ValueError("cpu rope: unsupported dtypes, shapes or strides")
-        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d)
+        self._rope[x.dtype](x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d)
 
     def silu_mul_(self, gate_up: Tensor) -> Tensor:
-        """SwiGLU in place: the first half of gate_up ``[T, 2I]`` (contiguous fp32) becomes
-        ``silu(gate) * up``; returns that half, a ``[T, I]`` view with row stride 2I."""
+        """SwiGLU in place: the first half of gate_up ``[T, 2I]`` (contiguous fp32 or bf16)
+        becomes ``silu(gate) * up``; returns that half, a ``[T, I]`` view with row stride 2I.
+        bf16: ``bf16(bf16(silu(gate)) * up)``, silu in fp32, as the PyTorch ops round."""
         t, two_i = gate_up.shape
-        if not (gate_up.dtype == torch.float32 and gate_up.is_contiguous() and two_i % 2 == 0):
+        if not (gate_up.dtype in _DTYPES and gate_up.is_contiguous() and two_i % 2 == 0):
             raise ValueError("cpu silu_mul: unsupported dtypes, shapes or strides")
-        self._silu_mul(gate_up.data_ptr(), t, two_i // 2)
+        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), t, two_i // 2)
         return gate_up[:, : two_i // 2]
 
     def store_kv(
         self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
     ) -> None:
-        """``cache[slot_mapping[t]] = k[t]`` (and v): k/v ``[T, Hkv, D]`` fp32 with each row's
-        heads contiguous; caches ``[num_blocks, block_size, Hkv, D]`` contiguous fp32;
-        slot_mapping ``[T]`` int64 (negative slots are skipped)."""
+        """``cache[slot_mapping[t]] = k[t]`` (and v): k/v ``[T, Hkv, D]`` with each row's heads
+        contiguous; caches ``[num_blocks, block_size, Hkv, D]`` contiguous; all fp32 or all
+        bf16; slot_mapping ``[T]`` int64 (negative slots are skipped)."""
         t, hkv, d = k.shape
         if not (
-            k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            k.dtype in _DTYPES
+            and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
             and v.shape == k.shape
             and k.stride(2) == v.stride(2) == 1
             and k.stride(1) == v.stride(1) == d
@@ -284,7 +316,7 @@ class CpuKernels:
             and slot_mapping.numel() == t
         ):
             raise ValueError("cpu store_kv: unsupported dtypes, shapes or strides")
-        self._store(
+        self._store[k.dtype](
             k.data_ptr(),
             k.stride(0),
             v.data_ptr(),
@@ -316,16 +348,20 @@ class CpuKernels:
         ``tiled``: the 16-row tiled variant, faster on runs of new tokens (prefills, extends);
         else the per-token one, for decodes.
 
-        q ``[T, Hq, D]`` fp32 with each row's heads contiguous (a column slice of the fused qkv
-        output is fine); caches ``[num_blocks, block_size, Hkv, D]`` contiguous fp32;
+        q ``[T, Hq, D]`` with each row's heads contiguous (a column slice of the fused qkv
+        output is fine); caches ``[num_blocks, block_size, Hkv, D]`` contiguous; q and caches
+        fp32, or bf16 (K/V converted to fp32 as they are read, fp32 sums);
         block_tables ``[B, max_blocks]``, cu_seqlens_q ``[B+1]``, seq_lens ``[B]``, k_start
         ``[B]`` (first key each sequence attends to; None = 0): int32, contiguous;
-        out ``[T, Hq, D]`` and lse ``[T, Hq]`` (optional): contiguous fp32.
+        out ``[T, Hq, D]`` contiguous, q's dtype or fp32 (bf16 q: rounded once into bf16, or
+        kept in fp32 for a merge to follow); lse ``[T, Hq]`` (optional): contiguous fp32.
         """
         t, hq, d = q.shape
         num_blocks, block_size, hkv, dk = k_cache.shape
         if not (
-            q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+            q.dtype in _DTYPES
+            and q.dtype == k_cache.dtype == v_cache.dtype
+            and out.dtype in (q.dtype, torch.float32)
             and q.stride(2) == 1
             and q.stride(1) == d
             and dk == d
@@ -344,7 +380,7 @@ class CpuKernels:
             and hq % hkv == 0
         ):
             raise ValueError("cpu paged attention: unsupported dtypes, shapes or strides")
-        rc = self._attention(
+        common = (
             q.data_ptr(),
             q.stride(0),
             k_cache.data_ptr(),
@@ -357,6 +393,15 @@ class CpuKernels:
             seqs.data_ptr(),
             seqs.numel(),
             out.data_ptr(),
+        )
+        if q.dtype == torch.bfloat16:
+            out_bf16: tuple[int, ...] = (int(out.dtype == torch.bfloat16),)
+            fn = self._attention_bf16
+        else:
+            out_bf16, fn = (), self._attention
+        rc = fn(
+            *common,
+            *out_bf16,
             None if lse is None else lse.data_ptr(),
             hq,
             hkv,
@@ -370,19 +415,27 @@ class CpuKernels:
             raise MemoryError("cpu paged attention: out of memory for its scratch buffers")
 
 
-def _build() -> CpuKernels | None:
-    """Compile (or find cached) and load the library; None when disabled or impossible."""
-    if os.environ.get("BATCHGEN_CPU_KERNEL", "1") == "0":
-        return None
+def build(avx512bf16: bool = True) -> CpuKernels | None:
+    """Compile (or find cached) and load a library; None when no compiler is found or the build
+    fails (logged). ``avx512bf16=False``: the portable bf16 code even where the CPU has the
+    AVX512-BF16 instructions (the fp32 kernels are the same in both builds)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: the CPU path uses slower PyTorch ops")
         return None
     try:
-        return CpuKernels(_compile(cc))
+        return CpuKernels(_compile(cc, _FLAGS if avx512bf16 else _FLAGS + _NO_AVX512BF16))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("could not build the CPU kernels (%s): using PyTorch ops", e)
         return None
+
+
+def _build() -> CpuKernels | None:
+    """The process's library: None when disabled (``BATCHGEN_CPU_KERNEL=0``) or impossible;
+    ``BATCHGEN_CPU_KERNEL_AVX512BF16=0`` selects the portable bf16 code."""
+    if os.environ.get("BATCHGEN_CPU_KERNEL", "1") == "0":
+        return None
+    return build(os.environ.get("BATCHGEN_CPU_KERNEL_AVX512BF16", "1") != "0")
 
 
 # the process's kernels: built by the first caller, every concurrent caller waits for them
@@ -397,8 +450,8 @@ def load() -> CpuKernels | None:
 
 
 def for_dtype(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
-    """The kernels for tensors of this device and dtype: CPU fp32 only, and only when they could
-    be built; None means the caller's PyTorch path."""
-    if device.type == "cpu" and dtype == torch.float32:
+    """The kernels for tensors of this device and dtype: CPU fp32 and bf16 only, and only when
+    they could be built; None means the caller's PyTorch path."""
+    if device.type == "cpu" and dtype in _DTYPES:
         return load()
     return None

@@ -51,7 +51,7 @@ def _attend_lse(
 class TorchAttention:
     """PyTorch paged attention (the CPU production path).
 
-    On a CPU fp32 cache, every sequence and every cascade prefix runs in the C kernels of
+    On a CPU fp32 or bf16 cache, every sequence and every cascade prefix runs in the C kernels of
     :mod:`batchgen.model.cpu_kernels` (they read the paged cache in place) when they can be built;
     ``native=False`` keeps everything in PyTorch (gathers and SDPA). ``prepare`` builds the
     step's ``TorchAttentionPlan``; ``forward`` runs it for one layer. Holds grow-only gather
@@ -85,8 +85,8 @@ class TorchAttention:
     def prepare(
         self, meta: AttentionMetadata, kv_cache: Tensor, num_heads: int
     ) -> TorchAttentionPlan:
-        """The step's plan (see ``AttentionBackend.prepare``): the C kernels for a CPU fp32
-        cache when they can be built here (and ``native``), else PyTorch groups."""
+        """The step's plan (see ``AttentionBackend.prepare``): the C kernels for a CPU fp32 or
+        bf16 cache when they can be built here (and ``native``), else PyTorch groups."""
         kernels = (
             cpu_kernels.for_dtype(kv_cache.device, kv_cache.dtype) if self._use_native else None
         )
@@ -127,8 +127,12 @@ class TorchAttention:
             and plan.tiled_seqs is None
         ):
             return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale)[0]
-        out = q.new_empty(num_tokens, num_heads, head_dim)
-        with_lse = plan.cascades or plan.cascade_batch is not None
+        # a native cascade merge reads and rewrites out: fp32 until then (bf16 q: one rounding)
+        cb = plan.cascade_batch
+        out = q.new_empty(
+            num_tokens, num_heads, head_dim, dtype=q.dtype if cb is None else torch.float32
+        )
+        with_lse = plan.cascades or cb is not None
         lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if with_lse else None
         for seqs, tiled in ((plan.native_seqs, False), (plan.tiled_seqs, True)):
             if seqs is None:
@@ -160,7 +164,6 @@ class TorchAttention:
             if lse is not None:
                 assert lse_all is not None
                 lse_all.index_copy_(0, rows, lse)
-        cb = plan.cascade_batch
         if cb is not None:  # attention and merge in one pass, the prefixes read in place
             assert lse_all is not None and kernels is not None
             kernels.prefix_attention_merge_(
@@ -170,7 +173,7 @@ class TorchAttention:
         for c in plan.cascades:
             assert lse_all is not None
             self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale)
-        return out
+        return out.to(q.dtype)
 
     def _group(
         self,

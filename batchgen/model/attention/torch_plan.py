@@ -12,8 +12,8 @@ Two further ideas:
   the two partial results are merged with their log-sum-exps. This turns most of the decode
   gather traffic of shared-prefix workloads into one small matmul.
 
-With the C kernels (CPU fp32, ``native`` plans), every sequence goes to them instead of to a
-group: they read the paged cache in place.
+With the C kernels (CPU fp32 or bf16 caches, ``native`` plans), every sequence goes to them
+instead of to a group: they read the paged cache in place.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ def silu_mul_(gate_up: Tensor) -> Tensor:
 
 
 class CpuSiluMul:
-    """:func:`silu_mul_` in the C kernel (CPU fp32, one pass) for contiguous gate_up; other
-    layouts take the PyTorch ops."""
+    """:func:`silu_mul_` in the C kernel (CPU fp32 and bf16, one pass; bf16 rounded where the
+    PyTorch ops round) for contiguous gate_up; other layouts take the PyTorch ops."""
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels

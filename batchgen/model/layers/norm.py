@@ -35,9 +35,10 @@ class FusedRMSNorm(RMSNorm):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-class CpuRMSNorm(FusedRMSNorm):
-    """CPU fp32 models: the C kernel, one pass over x (inputs whose last dimension is strided,
-    which the model never passes, take ``F.rms_norm``)."""
+class CpuRMSNorm(RMSNorm):
+    """CPU fp32 and bf16 models: the C kernel, one pass over x (bf16: rounded where the HF
+    formula rounds). Inputs whose last dimension is strided, which the model never passes, take
+    ``F.rms_norm`` (fp32) or the HF formula (bf16)."""
 
     def __init__(self, dim: int, eps: float, kernels: CpuKernels) -> None:
         super().__init__(dim, eps)
@@ -45,6 +46,8 @@ class CpuRMSNorm(FusedRMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.stride(-1) != 1:
+            if x.dtype == torch.float32:
+                return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
             return super().forward(x)
         return self.kernels.rms_norm(x, self.weight, self.eps)
 

@@ -117,8 +117,9 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class CpuRope:
-    """:func:`rope_` in the C kernel (CPU fp32), for x whose rows hold their heads contiguously
-    (any row stride); other layouts take the PyTorch ops."""
+    """:func:`rope_` in the C kernel (CPU fp32 and bf16; bf16 bit for bit :func:`rope_`), for x
+    whose rows hold their heads contiguously (any row stride); other layouts take the PyTorch
+    ops."""
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
