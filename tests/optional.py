@@ -1,12 +1,13 @@
 """The optional code paths of batchgen and whether this machine runs them.
 
 Some paths need something a machine may lack: the CPU C kernels need a C compiler, the packed
-GEMM needs the MKL inside torch's x86-64 build, Ray is an extra, CUDA is a GPU. A test of such a
-path calls :func:`require`: where the path cannot run, the test FAILS, so a CI machine that
-silently lost its compiler cannot go green on half the suite. A machine that truly lacks one
-opts out by naming it in ``BATCHGEN_TEST_ALLOW_MISSING`` (comma-separated, or ``all``); then
-those tests skip, and the session summary (tests/conftest.py) says which paths ran.
-CUDA is never required: GPU tests skip without one, by name.
+GEMM needs the MKL inside torch's x86-64 build (fp32) or a oneDNN that runs bf16 here (bf16),
+Ray is an extra, CUDA is a GPU. A test of such a path calls :func:`require`: where the path
+cannot run, the test FAILS, so a CI machine that silently lost its compiler cannot go green on
+half the suite. A machine that truly lacks one opts out by naming it in
+``BATCHGEN_TEST_ALLOW_MISSING`` (comma-separated, or ``all``); then those tests skip, and the
+session summary (tests/conftest.py) says which paths ran. CUDA is never required: GPU tests
+skip without one, by name.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ def _mkl() -> bool:
     return packed_linear.for_dtype(torch.device("cpu"), torch.float32) is not None
 
 
+def _onednn() -> bool:
+    import torch
+
+    from batchgen.model import onednn_linear
+
+    return onednn_linear.for_dtype(torch.device("cpu"), torch.bfloat16) is not None
+
+
 def _ray() -> bool:
     try:
         import ray  # noqa: F401
@@ -57,6 +66,7 @@ def _native_bf16() -> bool:
 PATHS = {
     "cpu_kernels": ("the C kernels of batchgen/model/cpu_kernels.c", _cpu_kernels),
     "mkl": ("MKL pre-packed GEMM weights", _mkl),
+    "onednn": ("oneDNN pre-packed bf16 GEMM weights", _onednn),
     "ray": ("the Ray executor", _ray),
     "cuda": ("a CUDA GPU", _cuda),
     "native_bf16": ("native bf16 matrix instructions (AMX or AVX512-BF16)", _native_bf16),

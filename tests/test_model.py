@@ -602,9 +602,10 @@ def test_layer_implementations_are_chosen_at_load(
     native: bool, dtype: torch.dtype, model_dirs: dict[str, Path]
 ) -> None:
     """Each layer is built with its implementation: the C kernels and packed GEMMs on CPU fp32,
-    torch's fused RMSNorm in fp32 without them, the HF formula in half precision."""
+    torch's fused RMSNorm in fp32 without them, the HF formula in half precision, oneDNN-packed
+    GEMMs in bf16."""
     from batchgen.model.layers.activation import CpuSiluMul, silu_mul_
-    from batchgen.model.layers.linear import Linear, PackedLinear
+    from batchgen.model.layers.linear import Linear, OneDnnLinear, PackedLinear
     from batchgen.model.layers.norm import CpuRMSNorm, FusedRMSNorm, RMSNorm
     from batchgen.model.layers.rotary import CpuRope, rope_
 
@@ -616,4 +617,8 @@ def test_layer_implementations_are_chosen_at_load(
     assert all(type(n) is norm_type for n in norms)
     assert isinstance(attn.rope_, CpuRope) if fast else attn.rope_ is rope_
     assert isinstance(mlp.silu_mul_, CpuSiluMul) if fast else mlp.silu_mul_ is silu_mul_
-    assert type(attn.qkv_proj) is (PackedLinear if fast else Linear)  # load() required MKL
+    if native and dtype == torch.bfloat16:
+        require("onednn")
+    # load() required MKL (fp32); bf16: oneDNN
+    packed = PackedLinear if fast else OneDnnLinear if native else Linear
+    assert type(attn.qkv_proj) is packed

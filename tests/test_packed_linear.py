@@ -1,81 +1,203 @@
-"""MKL pre-packed weights (batchgen.model.packed_linear, layers.linear.PackedLinear) against
-F.linear, and the fallbacks."""
+"""Pre-packed weights against F.linear, and the fallbacks: MKL's packed sgemm on CPU fp32
+(batchgen.model.packed_linear, layers.linear.PackedLinear) and oneDNN's packed inner product on
+CPU bf16 (batchgen.model.onednn_linear, layers.linear.OneDnnLinear)."""
 
 from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-from batchgen.model import packed_linear
-from batchgen.model.layers.linear import Linear, PackedLinear, pack_linears_
+from batchgen.model import onednn_linear, packed_linear
+from batchgen.model.layers.linear import (
+    Linear,
+    OneDnnLinear,
+    PackedLinear,
+    pack_linear,
+    pack_linears_,
+)
 from batchgen.model.once import Once
+from batchgen.model.onednn_linear import OneDnn
+from batchgen.model.packed_linear import Mkl
 from tests.optional import require
 
 CPU = torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class Gemm:
+    """A packed GEMM, the dtype it serves and the layer type holding its weights."""
+
+    gemm: Mkl | OneDnn
+    dtype: torch.dtype
+    layer: type[nn.Module]
+
+
+def find(kind: str) -> Gemm:
+    """The packed GEMM ``kind``; the test fails where it cannot run (tests/optional.py)."""
+    require(kind)
+    if kind == "mkl":
+        mkl = packed_linear.for_dtype(CPU, torch.float32)
+        assert mkl is not None
+        return Gemm(mkl, torch.float32, PackedLinear)
+    onednn = onednn_linear.for_dtype(CPU, torch.bfloat16)
+    assert onednn is not None
+    return Gemm(onednn, torch.bfloat16, OneDnnLinear)
+
+
+@pytest.fixture(params=["mkl", "onednn"])
+def gemm(request: pytest.FixtureRequest) -> Gemm:
+    return find(request.param)
+
+
 @pytest.fixture
-def mkl() -> packed_linear.Mkl:
-    """MKL's packed GEMM; the test fails where torch exports none (tests/optional.py)."""
-    require("mkl")
-    found = packed_linear.for_dtype(CPU, torch.float32)
-    assert found is not None
-    return found
+def onednn() -> Gemm:
+    return find("onednn")
 
 
-def make_linear(n_in: int, n_out: int, bias: bool, seed: int) -> tuple[Linear, nn.Linear]:
+def make_linear(
+    n_in: int, n_out: int, bias: bool, seed: int, dtype: torch.dtype = torch.float32
+) -> tuple[Linear, nn.Linear]:
     """Two copies of one layer: the first to be packed, the second kept as the reference."""
     torch.manual_seed(seed)
-    ref = nn.Linear(n_in, n_out, bias=bias).requires_grad_(False)
-    layer = Linear(n_in, n_out, bias=bias).requires_grad_(False)
+    ref = nn.Linear(n_in, n_out, bias=bias, dtype=dtype).requires_grad_(False)
+    layer = Linear(n_in, n_out, bias=bias, dtype=dtype).requires_grad_(False)
     layer.load_state_dict(ref.state_dict())
     return layer, ref
 
 
-def packed(layer: Linear, mkl: packed_linear.Mkl) -> PackedLinear:
-    return PackedLinear(layer.weight, layer.bias, mkl)
+def packed(layer: Linear, g: Gemm) -> nn.Module:
+    p = pack_linear(layer.weight, layer.bias, g.gemm)
+    assert type(p) is g.layer
+    return p
 
 
-def fresh_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forget the process's MKL lookup for this test: the next load() looks again."""
+def fresh_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget the process's MKL and oneDNN lookups for this test: the next load() looks again."""
     monkeypatch.setattr(packed_linear, "_MKL", Once(packed_linear._find))
+    monkeypatch.setattr(onednn_linear, "_ONEDNN", Once(onednn_linear._find))
 
 
-@pytest.mark.parametrize("rows", [0, 1, 7, 64, 257])
+def fp32_reference(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """h @ W^T + bias summed in fp32 (float64 then rounded: no order effects)."""
+    out = h.double() @ weight.double().t()
+    return (out if bias is None else out + bias.double()).float()
+
+
+def rounding_bound(h: Tensor, weight: Tensor, ref: Tensor) -> Tensor:
+    """Per output: one bf16 place of ref plus the spread of fp32 sums of the terms in any
+    order (K * 2^-24 * sum |h_k w_k|, with room)."""
+    scale = h.abs().double() @ weight.abs().double().t()
+    return 2**-7 * ref.abs() + (h.shape[1] * 2**-22 * scale).float()
+
+
+@pytest.mark.parametrize("n_in,n_out", [(96, 80), (512, 768), (1536, 512)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 33, 64, 257])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear(mkl: packed_linear.Mkl, rows: int, bias: bool) -> None:
-    layer, ref = make_linear(96, 80, bias, seed=rows)
-    p = packed(layer, mkl)
-    assert p.out_features == 80 and not hasattr(p, "weight")
-    h = torch.randn(rows, 96)
-    torch.testing.assert_close(p(h), F.linear(h, ref.weight, ref.bias))
+def test_linear_matches_f_linear(gemm: Gemm, rows: int, bias: bool, n_in: int, n_out: int) -> None:
+    layer, ref = make_linear(n_in, n_out, bias, seed=rows, dtype=gemm.dtype)
+    p = packed(layer, gemm)
+    assert p.out_features == n_out and p.in_features == n_in and not hasattr(p, "weight")
+    h = torch.randn(rows, n_in, dtype=gemm.dtype)
+    got = p(h)
+    assert got.dtype == gemm.dtype and got.shape == (rows, n_out)
+    torch.testing.assert_close(got, F.linear(h, ref.weight, ref.bias))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_is_rounded_once_from_fp32(onednn: Gemm, rows: int, bias: bool) -> None:
+    """Every output is the fp32 sum rounded to bf16 once: within one bf16 place of the exact
+    sum (plus fp32 order effects), and equal to ``(h.float() @ w.float().t()).bfloat16()``
+    but for rare last-bit differences (fp32 sums in another order landing on the other side of
+    a bf16 rounding boundary). A bf16 accumulator, or rounding twice, fails this."""
+    layer, _ = make_linear(896, 1152, bias, seed=rows, dtype=torch.bfloat16)
+    w, b = layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
+    p = packed(layer, onednn)
+    h = torch.randn(rows, 896, dtype=torch.bfloat16)
+    got = p(h).float()
+    exact = fp32_reference(h, w, b)
+    assert ((got - exact).abs() <= rounding_bound(h, w, exact)).all()
+    once = fp32_reference(h, w, b).bfloat16().float()
+    assert (got != once).float().mean().item() < 1e-2
+
+
+@pytest.mark.parametrize("n_in,n_out", [(512, 3072), (896, 1152), (4864, 896)])
+def test_bf16_rows_depend_on_the_row_count_only_in_the_last_bit(
+    onednn: Gemm, n_in: int, n_out: int
+) -> None:
+    """Row invariance, packed and ``F.linear`` alike: a row's result computed in a call of M
+    rows is within the rounding bound of the same row computed alone, but NOT always bitwise
+    equal: oneDNN picks its kernel (so the order of the fp32 sums) by M. Measured here (AMX,
+    torch 2.13): bitwise equal for M <= 32, a few outputs per 10^4 one bf16 place apart above
+    (scripts/bench_gemm.py --invariance)."""
+    layer, ref = make_linear(n_in, n_out, False, seed=n_in, dtype=torch.bfloat16)
+    w = ref.weight
+    p = packed(layer, onednn)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1024, n_in, generator=gen).bfloat16()
+    first = 16
+    exact = fp32_reference(x[:first], w, None)
+    bound = rounding_bound(x[:first], w, exact)
+    for fn in (p, lambda h: F.linear(h, w)):
+        alone = torch.cat([fn(x[i : i + 1]) for i in range(first)]).float()
+        for m in (2, 16, 33, 64, 100, 256, 1024):
+            rows = fn(x[:m])[:first].float()
+            n = len(rows)
+            assert ((rows - alone[:n]).abs() <= bound[:n]).all(), m
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_add_in_place_from_a_column_slice(mkl: packed_linear.Mkl, bias: bool) -> None:
+def test_add_in_place_from_a_column_slice(gemm: Gemm, bias: bool) -> None:
     """h a column slice (row stride > width, as SwiGLU's output in gate_up) and x updated in
-    place: the GEMM's beta = 1."""
-    layer, ref = make_linear(48, 32, bias, seed=3)
-    p = packed(layer, mkl)
-    wide = torch.randn(70, 2 * 48)
+    place: MKL's beta = 1, oneDNN's binary-add post-op."""
+    layer, ref = make_linear(48, 32, bias, seed=3, dtype=gemm.dtype)
+    p = packed(layer, gemm)
+    wide = torch.randn(70, 2 * 48, dtype=gemm.dtype)
     h = wide[:, :48]
-    x = torch.randn(70, 32)
-    expected = x + F.linear(h, ref.weight, ref.bias)
+    x = torch.randn(70, 32, dtype=gemm.dtype)
+    expected = x.float() + fp32_reference(h, ref.weight, ref.bias)
+    got = p.add_(x, h)
+    assert got.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(got, expected.to(gemm.dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_residual_add_is_rounded_once(onednn: Gemm, rows: int, bias: bool) -> None:
+    """The fused residual ``x + h W^T + b`` is rounded once, from fp32: equal to the fp32 sum
+    rounded but for rare last-bit differences (adding a separately rounded product would
+    differ far more often), and within rounding of ``Linear.add_``."""
+    layer, ref = make_linear(1536, 512, bias, seed=rows, dtype=torch.bfloat16)
+    plain, _ = make_linear(1536, 512, bias, seed=rows, dtype=torch.bfloat16)
+    p = packed(layer, onednn)
+    h = torch.randn(rows, 1536, dtype=torch.bfloat16)
+    x = torch.randn(rows, 512, dtype=torch.bfloat16) * 4
+    product = fp32_reference(h, ref.weight, ref.bias)
+    exact = x.float() + product
+    got = p.add_(x.clone(), h).float()
+    assert (got != exact.bfloat16().float()).float().mean().item() < 1e-2
+    bound = rounding_bound(h, ref.weight, product) + 2**-7 * exact.abs()
+    assert ((got - exact).abs() <= bound).all()
+    assert ((plain.add_(x.clone(), h).float() - got).abs() <= 2 * bound).all()
+
+
+def test_non_unit_strides_are_copied_first(gemm: Gemm) -> None:
+    layer, ref = make_linear(16, 24, False, seed=4, dtype=gemm.dtype)
+    p = packed(layer, gemm)
+    h = torch.randn(16, 10, dtype=gemm.dtype).t()  # [10, 16], column-major
+    x = torch.randn(24, 10, dtype=gemm.dtype).t()  # [10, 24], column-major: no in-place GEMM
+    torch.testing.assert_close(p(h), F.linear(h, ref.weight))
+    expected = x + F.linear(h, ref.weight)
     got = p.add_(x, h)
     assert got.data_ptr() == x.data_ptr()
     torch.testing.assert_close(got, expected)
-
-
-def test_non_unit_strides_are_copied_first(mkl: packed_linear.Mkl) -> None:
-    layer, ref = make_linear(16, 24, False, seed=4)
-    p = packed(layer, mkl)
-    h = torch.randn(16, 10).t()  # [10, 16], column-major
-    x = torch.randn(24, 10).t()  # [10, 24], column-major: no in-place GEMM into it
-    torch.testing.assert_close(p(h), F.linear(h, ref.weight))
-    expected = x + F.linear(h, ref.weight)
-    torch.testing.assert_close(p.add_(x, h), expected)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -87,43 +209,124 @@ def test_plain_linear(bias: bool) -> None:
     torch.testing.assert_close(layer.add_(x, h), expected)
 
 
-def test_no_packing_off_cpu_fp32() -> None:
-    assert packed_linear.for_dtype(torch.device("meta"), torch.float32) is None
+def test_each_gemm_serves_one_dtype_on_the_cpu() -> None:
+    meta = torch.device("meta")
+    for module in (packed_linear, onednn_linear):
+        assert module.for_dtype(meta, torch.float32) is None
+        assert module.for_dtype(meta, torch.bfloat16) is None
+        assert module.for_dtype(CPU, torch.float16) is None
     assert packed_linear.for_dtype(CPU, torch.bfloat16) is None
+    assert onednn_linear.for_dtype(CPU, torch.float32) is None
     model = nn.Sequential(Linear(8, 8))
     assert pack_linears_(model, None) == 0 and isinstance(model[0], Linear)
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHGEN_PACK_WEIGHTS", "0")
-    fresh_lookup(monkeypatch)
+    fresh_lookups(monkeypatch)
     assert packed_linear.for_dtype(CPU, torch.float32) is None
+    assert onednn_linear.for_dtype(CPU, torch.bfloat16) is None
 
 
 def test_missing_library_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """A torch without MKL's packed GEMM (other platforms): nothing is packed."""
-    fresh_lookup(monkeypatch)
+    fresh_lookups(monkeypatch)
     fake = tmp_path / "torch" / "__init__.py"
     fake.parent.mkdir()
     monkeypatch.setattr(packed_linear.torch, "__file__", str(fake))
     assert packed_linear.for_dtype(CPU, torch.float32) is None
 
 
-def test_model_weights_are_packed(mkl: packed_linear.Mkl, tmp_path) -> None:
-    """load_model packs every projection and the LM head, tied to the embedding or not."""
+def test_onednn_without_bf16_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU where oneDNN cannot run bf16, or a torch without the ops: F.linear."""
+    fresh_lookups(monkeypatch)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert onednn_linear.for_dtype(CPU, torch.bfloat16) is None
+    fresh_lookups(monkeypatch)
+    monkeypatch.setattr(onednn_linear, "OneDnn", lambda ops: ops._no_such_op)
+    assert onednn_linear.for_dtype(CPU, torch.bfloat16) is None
+
+
+def test_onednn_failing_its_check_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh_lookups(monkeypatch)
+    monkeypatch.setattr(OneDnn, "linear_add", lambda self, h, other, w, b: other)  # drops h W^T
+    assert onednn_linear.for_dtype(CPU, torch.bfloat16) is None
+
+
+def test_packed_layers_drop_the_original_weight(gemm: Gemm) -> None:
+    """No doubled memory: once packed, nothing holds the plain weight; oneDNN's copy takes
+    the same bytes."""
+    model = nn.Sequential(Linear(256, 384, dtype=gemm.dtype), Linear(384, 256, dtype=gemm.dtype))
+    weights = [weakref.ref(m.weight) for m in model]
+    assert pack_linears_(model, gemm.gemm) == 2
+    gc.collect()
+    assert all(w() is None for w in weights)
+    assert all(type(m) is gemm.layer for m in model)
+    if gemm.layer is OneDnnLinear:
+        assert [torch.ops.mkldnn._nbytes(m.packed) for m in model] == [384 * 256 * 2] * 2
+
+
+def load_tiny(folder: Path, dtype: torch.dtype, tied: bool):
     from batchgen.model.attention import TorchAttention
     from batchgen.model.loader import load_model
     from batchgen.tiny_model import make_tiny_model
 
-    for tied in (False, True):
-        folder = tmp_path / f"tied-{tied}"
+    if not folder.exists():
         make_tiny_model(folder, tie_word_embeddings=tied)
-        model, _ = load_model(folder, CPU, torch.float32, TorchAttention())
-        assert not [m for m in model.modules() if isinstance(m, nn.Linear)]
-        packs = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        assert len(packs) == 4 * model.cfg.num_layers + 1
-        assert model.embed_tokens.weight is not None
-        if tied:  # the head is a packed copy of the embedding
-            hidden = torch.randn(3, model.cfg.hidden_size)
-            expected = F.linear(hidden, model.embed_tokens.weight)
-            torch.testing.assert_close(model.compute_logits(hidden), expected)
+    return load_model(folder, CPU, dtype, TorchAttention())[0]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_model_weights_are_packed(gemm: Gemm, tied: bool, tmp_path: Path) -> None:
+    """load_model packs every projection and the LM head, tied to the embedding or not (a tied
+    head gets its own packed copy); no plain projection weight is left."""
+    model = load_tiny(tmp_path / "model", gemm.dtype, tied)
+    assert model.layer_backend.gemm is gemm.gemm
+    assert not [m for m in model.modules() if isinstance(m, nn.Linear)]
+    packs = [m for m in model.modules() if type(m) is gemm.layer]
+    assert len(packs) == 4 * model.cfg.num_layers + 1
+    assert all(n in ("embed_tokens.weight", "norm.weight") or "norm" in n or n.endswith(".bias")
+               for n, _ in model.named_parameters())  # fmt: skip
+    assert model.embed_tokens.weight is not None
+    if tied:  # the head is a packed copy of the embedding
+        hidden = torch.randn(3, model.cfg.hidden_size, dtype=gemm.dtype)
+        expected = F.linear(hidden, model.embed_tokens.weight).float()
+        torch.testing.assert_close(model.compute_logits(hidden), expected)
+
+
+def test_bf16_model_unpacked_when_disabled(
+    onednn: Gemm, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("BATCHGEN_PACK_WEIGHTS", "0")
+    fresh_lookups(monkeypatch)
+    model = load_tiny(tmp_path / "model", torch.bfloat16, tied=False)
+    assert model.layer_backend.gemm is None
+    assert not [m for m in model.modules() if isinstance(m, OneDnnLinear | PackedLinear)]
+    assert type(model.layers[0].mlp.down_proj) is Linear and type(model.lm_head) is Linear
+
+
+def test_bf16_model_logits_packed_match_unpacked(
+    onednn: Gemm, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The whole bf16 model, oneDNN-packed vs F.linear: the same logits up to bf16 rounding."""
+    from tests.test_model import run_paged
+
+    folder = tmp_path / "model"
+    fast = load_tiny(folder, torch.bfloat16, tied=False)
+    monkeypatch.setenv("BATCHGEN_PACK_WEIGHTS", "0")
+    fresh_lookups(monkeypatch)
+    plain = load_tiny(folder, torch.bfloat16, tied=False)
+    assert type(fast.lm_head) is OneDnnLinear and type(plain.lm_head) is Linear
+    gen = torch.Generator().manual_seed(0)
+    vocab = fast.cfg.vocab_size
+    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (37, 12)]
+    schedules = [[20, 17], [5, 4, 1, 1, 1]]
+    logits = [
+        run_paged(model, seqs, schedules, 4, torch.Generator().manual_seed(1))
+        for model in (fast, plain)
+    ]
+    for ours, ref in zip(*logits, strict=True):
+        assert torch.isfinite(ours).all()
+        cos = F.cosine_similarity(ours, ref, dim=-1)
+        assert cos.min() > 0.999, cos.min()
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9

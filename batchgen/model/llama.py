@@ -26,7 +26,13 @@ from batchgen.model.attention import AttentionBackend, AttentionMetadata
 from batchgen.model.config import ModelConfig
 from batchgen.model.layers.activation import silu_mul
 from batchgen.model.layers.backend import LayerBackend
-from batchgen.model.layers.linear import Linear, PackedLinear, pack_linears_
+from batchgen.model.layers.linear import (
+    Linear,
+    OneDnnLinear,
+    PackedLinear,
+    pack_linear,
+    pack_linears_,
+)
 from batchgen.model.layers.norm import rms_norm
 from batchgen.model.layers.rotary import Rotary, rotation
 
@@ -164,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(cfg, attention, layers) for _ in range(cfg.num_layers)
         )
         self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, layers)
-        self.lm_head: Linear | PackedLinear | None = (
+        self.lm_head: Linear | PackedLinear | OneDnnLinear | None = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
 
@@ -182,14 +188,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def pack_weights(self) -> int:
-        """Pre-pack the linear weights for MKL's GEMM where the layer backend has it; a tied LM
-        head gets a packed copy of the embedding. Returns how many were packed."""
-        mkl = self.layer_backend.mkl
-        if mkl is None:
+        """Pre-pack the linear weights for the layer backend's GEMM (MKL or oneDNN), if it has
+        one; a tied LM head gets a packed copy of the embedding. Returns how many were packed."""
+        gemm = self.layer_backend.gemm
+        if gemm is None:
             return 0
-        count = pack_linears_(self, mkl)
+        count = pack_linears_(self, gemm)
         if self.lm_head is None:  # packed as a copy; the embedding keeps its own weight
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None, mkl)
+            self.lm_head = pack_linear(self.embed_tokens.weight, None, gemm)
             count += 1
         return count
 

@@ -229,7 +229,8 @@ def load_model(
     """Build the model on ``device`` in ``dtype`` with the checkpoint's weights (eval mode).
 
     Each layer's implementation is chosen here, once (:class:`LayerBackend`): the C kernels and
-    MKL-packed weights on CPU fp32 where available; ``native=False``: PyTorch ops only.
+    packed GEMM weights (MKL on CPU fp32, oneDNN on CPU bf16) where available; ``native=False``:
+    PyTorch ops only.
     """
     from safetensors import safe_open
 

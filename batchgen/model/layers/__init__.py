@@ -1,5 +1,5 @@
 """The model's building blocks, each built with its implementation chosen once, at load, from a
-:class:`~batchgen.model.layers.backend.LayerBackend` (C kernels, MKL's packed GEMM, or PyTorch):
+:class:`~batchgen.model.layers.backend.LayerBackend` (C kernels, packed GEMMs, or PyTorch):
 
 - ``norm``: RMSNorm;
 - ``rotary``: RoPE frequencies, cos/sin tables and the in-place rotation;

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.model import cpu_kernels, packed_linear
+from batchgen.model import cpu_kernels, onednn_linear, packed_linear
 from batchgen.model.cpu_kernels import CpuKernels
+from batchgen.model.onednn_linear import OneDnn
 from batchgen.model.packed_linear import Mkl
 
 __all__ = ["LayerBackend"]
@@ -19,14 +20,17 @@ class LayerBackend:
     in ``dtype`` (the modules themselves are built on the meta device, then loaded).
 
     ``cpu``: the C kernels of :mod:`batchgen.model.cpu_kernels` (RMSNorm, RoPE, SwiGLU), on CPU
-    fp32 when they could be built; ``mkl``: MKL's packed GEMM (:mod:`batchgen.model.packed_linear`)
-    for the linear layers, on CPU fp32 when torch exports it. None: the PyTorch ops.
+    fp32 when they could be built. ``gemm``: the GEMM whose packed weights the linear layers
+    hold (:func:`batchgen.model.layers.linear.pack_linears_`): MKL's packed sgemm
+    (:mod:`batchgen.model.packed_linear`) on CPU fp32 when torch exports it, oneDNN's packed
+    inner product (:mod:`batchgen.model.onednn_linear`) on CPU bf16 when oneDNN runs bf16 here.
+    None: the PyTorch ops (``F.linear``).
     """
 
     device: torch.device
     dtype: torch.dtype
     cpu: CpuKernels | None = None
-    mkl: Mkl | None = None
+    gemm: Mkl | OneDnn | None = None
 
     @classmethod
     def select(cls, device: torch.device, dtype: torch.dtype, native: bool = True) -> LayerBackend:
@@ -37,5 +41,5 @@ class LayerBackend:
             device,
             dtype,
             cpu=cpu_kernels.for_dtype(device, dtype),
-            mkl=packed_linear.for_dtype(device, dtype),
+            gemm=packed_linear.for_dtype(device, dtype) or onednn_linear.for_dtype(device, dtype),
         )

@@ -1,6 +1,8 @@
-"""Linear layers: ``Linear`` (``F.linear``) and ``PackedLinear`` (weights pre-packed for MKL's
-GEMM, CPU fp32). Modules are built as ``Linear``; once their weights are loaded,
-:func:`pack_linears_` swaps each for a ``PackedLinear`` where the backend has MKL."""
+"""Linear layers: ``Linear`` (``F.linear``), ``PackedLinear`` (weights pre-packed for MKL's
+GEMM, CPU fp32) and ``OneDnnLinear`` (weights pre-packed for oneDNN's GEMM, CPU bf16). Modules
+are built as ``Linear``; once their weights are loaded, :func:`pack_linears_` swaps each for
+the packed layer of the backend's GEMM (:attr:`LayerBackend.gemm
+<batchgen.model.layers.backend.LayerBackend.gemm>`), if it has one."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchgen.model import packed_linear
+from batchgen.model.onednn_linear import OneDnn
 from batchgen.model.packed_linear import Mkl, PackedWeight
 
-__all__ = ["Linear", "PackedLinear", "pack_linears_"]
+__all__ = ["Linear", "OneDnnLinear", "PackedLinear", "pack_linear", "pack_linears_"]
 
 
 class Linear(nn.Linear):
@@ -52,15 +55,53 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+class OneDnnLinear(nn.Module):
+    """A bf16 linear layer whose weight is held only in oneDNN's packed layout (no ``weight``:
+    the model takes no more memory than before). Results differ from ``F.linear`` only by the
+    order of fp32 sums (:mod:`batchgen.model.onednn_linear`)."""
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None, onednn: OneDnn) -> None:
+        super().__init__()
+        self.onednn = onednn
+        self.out_features, self.in_features = weight.shape
+        self.packed: Tensor = onednn.pack(weight)  # [out, in], torch._mkldnn layout
+        self.bias = bias  # [out] or None
+
+    def forward(self, h: Tensor) -> Tensor:
+        """h ``[T, in]`` -> ``[T, out]``."""
+        return self.onednn.linear(h, self.packed, self.bias)
+
+    def add_(self, x: Tensor, h: Tensor) -> Tensor:
+        """``x += self(h)`` in place, returns x. When x is contiguous the add happens inside the
+        GEMM (x + h W^T + bias rounded once, as ``addmm_``), into a new tensor copied into x."""
+        if not x.is_contiguous():
+            return x.add_(self(h))
+        return x.copy_(self.onednn.linear_add(h, x, self.packed, self.bias))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+
+
 def _unit_rows(h: Tensor) -> Tensor:
     """h with unit stride along its rows (MKL takes any row stride)."""
     return h if h.stride(1) == 1 and h.stride(0) >= h.shape[1] else h.contiguous()
 
 
-def pack_linears_(model: nn.Module, mkl: Mkl | None) -> int:
-    """Replace every ``nn.Linear`` of ``model`` (weights loaded, CPU fp32) by its
-    ``PackedLinear``; returns how many. ``mkl`` None: nothing changes."""
-    if mkl is None:
+def pack_linear(
+    weight: Tensor, bias: nn.Parameter | None, gemm: Mkl | OneDnn
+) -> PackedLinear | OneDnnLinear:
+    """The layer computing ``F.linear(h, weight, bias)`` on ``gemm``'s packed copy of weight
+    ``[out, in]`` (weight itself is not kept)."""
+    if isinstance(gemm, OneDnn):
+        return OneDnnLinear(weight, bias, gemm)
+    return PackedLinear(weight, bias, gemm)
+
+
+def pack_linears_(model: nn.Module, gemm: Mkl | OneDnn | None) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (weights loaded, in the dtype ``gemm`` serves)
+    by its packed layer (:func:`pack_linear`); returns how many. ``gemm`` None: nothing
+    changes."""
+    if gemm is None:
         return 0
     targets = [
         (parent, name, child)
@@ -69,5 +110,5 @@ def pack_linears_(model: nn.Module, mkl: Mkl | None) -> int:
         if isinstance(child, nn.Linear)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias, mkl))
+        setattr(parent, name, pack_linear(child.weight, child.bias, gemm))
     return len(targets)

@@ -1,0 +1,127 @@
+"""oneDNN's pre-packed GEMM (CPU, bf16): weights reordered once into oneDNN's blocked layout.
+
+``F.linear`` in bf16 on the CPU also runs oneDNN, but hands it the weight as a plain matrix,
+which oneDNN reorders into its blocked (AMX tile / VNNI pair) layout on every call.
+:meth:`OneDnn.pack` does the reorder once, at load time (``torch.ops.mkldnn.
+_reorder_linear_weight``, which torch's compiler uses for frozen CPU models);
+:meth:`OneDnn.linear` runs oneDNN's inner product on the packed weight for any number of rows,
+and :meth:`OneDnn.linear_add` fuses a residual add (a binary-add post-op: ``other + h @ W^T +
+bias`` rounded to bf16 once, from the fp32 accumulator). The layers using this are
+:class:`batchgen.model.layers.linear.OneDnnLinear`.
+
+Used only where torch has these ops, oneDNN supports bf16 on this CPU and a one-time check
+against ``F.linear`` passes; elsewhere, on GPUs, in other dtypes, or with
+``BATCHGEN_PACK_WEIGHTS=0``, :func:`for_dtype` returns None and layers keep ``F.linear``.
+
+Rounding: every output is rounded to bf16 once from an fp32 accumulator, like ``F.linear``; the
+order of the fp32 sums depends on the kernel oneDNN picks for the number of rows M, so one
+row's result can differ in its last bit with M (``F.linear`` too; unlike MKL's fp32 packed
+GEMM). Measured on AMX: rows of calls of up to 32 rows equal those rows computed alone;
+above, about 1e-4 of the outputs are one bf16 place apart, varying with M
+(tests/test_packed_linear.py, scripts/bench_gemm.py --invariance).
+
+oneDNN builds (JIT-compiles) a kernel per distinct M on its first use and caches it (its
+primitive cache, 1024 entries by default): the first call at a new M costs about 1 ms (small M)
+to 10 ms (M ~ 300) per layer shape, as for ``F.linear`` in bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from batchgen.model.once import Once
+
+__all__ = ["OneDnn", "for_dtype", "load"]
+
+log = logging.getLogger(__name__)
+
+# The row count oneDNN is told when the weight is reordered. None lets oneDNN pick; the layout
+# serves any row count, and no hint measured faster (scripts/bench_gemm.py --hints).
+_ROWS_HINT: int | None = None
+
+
+class OneDnn:
+    """The torch ops that run oneDNN's inner product on a packed bf16 weight."""
+
+    def __init__(self, ops: Any) -> None:
+        self._reorder = ops._reorder_linear_weight
+        self._linear = ops._linear_pointwise.default
+        self._linear_add = ops._linear_pointwise.binary
+
+    def pack(self, weight: Tensor) -> Tensor:
+        """weight ``[out, in]`` bf16 (any strides) -> a copy in oneDNN's blocked layout (an
+        opaque ``torch._mkldnn`` tensor of the same shape and byte size)."""
+        return self._reorder(weight.detach().contiguous(), _ROWS_HINT)
+
+    def linear(self, h: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+        """h ``[M, in]`` (rows may be a column slice) -> ``h @ W^T + bias`` ``[M, out]``."""
+        return self._linear(h, packed, bias, "none", [], "")
+
+    def linear_add(self, h: Tensor, other: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+        """A new ``[M, out]`` tensor: ``other + h @ W^T + bias`` (other ``[M, out]``
+        contiguous), rounded once."""
+        return self._linear_add(h, other, packed, bias, "add")
+
+
+def _find() -> OneDnn | None:
+    """torch's oneDNN linear ops, or None where they are missing, cannot run bf16 here, disagree
+    with ``F.linear``, or packing is switched off."""
+    if os.environ.get("BATCHGEN_PACK_WEIGHTS", "1") == "0":
+        return None
+    ops = torch.ops.mkldnn
+    try:
+        if not (torch.backends.mkldnn.is_available() and ops._is_mkldnn_bf16_supported()):
+            return None
+        onednn = OneDnn(ops)
+    except (AttributeError, RuntimeError):
+        return None  # a torch without these ops
+    return onednn if _self_check(onednn) else None
+
+
+def _self_check(onednn: OneDnn) -> bool:
+    """Pack a random matrix and compare products (plain, with bias, with the residual add) with
+    ``F.linear`` at a few row counts."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 80, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    try:
+        packed = onednn.pack(weight)
+        for rows in (1, 5, 70):
+            h = torch.randn(rows, 80, generator=gen).bfloat16()
+            x = torch.randn(rows, 96, generator=gen).bfloat16()
+            expected = F.linear(h.float(), weight.float(), bias.float())
+            got = onednn.linear(h, packed, bias).float()
+            added = onednn.linear_add(h, x, packed, bias).float()
+            if not (
+                torch.allclose(got, expected, rtol=1e-2, atol=1e-1)
+                and torch.allclose(added, expected + x.float(), rtol=1e-2, atol=1e-1)
+            ):
+                log.warning("oneDNN packed GEMM disagrees with F.linear; weights are not packed")
+                return False
+    except RuntimeError as err:
+        log.warning("oneDNN packed GEMM failed its check (%s); weights are not packed", err)
+        return False
+    return True
+
+
+# the process's oneDNN ops: looked up and checked by the first caller
+_ONEDNN: Once[OneDnn | None] = Once(_find)
+
+
+def load() -> OneDnn | None:
+    """oneDNN's packed bf16 GEMM, or None where it is unavailable or packing is switched off
+    (looked up once; concurrent first callers wait for the lookup)."""
+    return _ONEDNN.get()
+
+
+def for_dtype(device: torch.device, dtype: torch.dtype) -> OneDnn | None:
+    """oneDNN for weights on ``device`` in ``dtype``: CPU bf16 only; None means ``F.linear``."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return load()
+    return None
