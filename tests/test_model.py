@@ -601,24 +601,23 @@ def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
 def test_layer_implementations_are_chosen_at_load(
     native: bool, dtype: torch.dtype, model_dirs: dict[str, Path]
 ) -> None:
-    """Each layer is built with its implementation: the C kernels and packed GEMMs on CPU fp32,
-    torch's fused RMSNorm in fp32 without them, the HF formula in half precision, oneDNN-packed
-    GEMMs in bf16."""
+    """Each layer is built with its implementation: on a CPU the C kernels (fp32 and bf16) with
+    MKL-packed GEMMs in fp32 and oneDNN-packed ones in bf16; without them torch's fused RMSNorm in
+    fp32 and the HF formula in half precision."""
     from batchgen.model.layers.activation import CpuSiluMul, silu_mul_
     from batchgen.model.layers.linear import Linear, OneDnnLinear, PackedLinear
     from batchgen.model.layers.norm import CpuRMSNorm, FusedRMSNorm, RMSNorm
     from batchgen.model.layers.rotary import CpuRope, rope_
 
-    model, _ = load(model_dirs["qwen3"], native, dtype)
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    fast = native and dtype == torch.float32
-    norm_type = CpuRMSNorm if fast else FusedRMSNorm if dtype == torch.float32 else RMSNorm
-    norms = [model.norm, model.layers[0].input_layernorm, attn.q_norm, attn.k_norm]
-    assert all(type(n) is norm_type for n in norms)
-    assert isinstance(attn.rope_, CpuRope) if fast else attn.rope_ is rope_
-    assert isinstance(mlp.silu_mul_, CpuSiluMul) if fast else mlp.silu_mul_ is silu_mul_
     if native and dtype == torch.bfloat16:
         require("onednn")
+    model, _ = load(model_dirs["qwen3"], native, dtype)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    norm_type = CpuRMSNorm if native else FusedRMSNorm if dtype == torch.float32 else RMSNorm
+    norms = [model.norm, model.layers[0].input_layernorm, attn.q_norm, attn.k_norm]
+    assert all(type(n) is norm_type for n in norms)
+    assert isinstance(attn.rope_, CpuRope) if native else attn.rope_ is rope_
+    assert isinstance(mlp.silu_mul_, CpuSiluMul) if native else mlp.silu_mul_ is silu_mul_
     # load() required MKL (fp32); bf16: oneDNN
-    packed = PackedLinear if fast else OneDnnLinear if native else Linear
+    packed = (PackedLinear if dtype == torch.float32 else OneDnnLinear) if native else Linear
     assert type(attn.qkv_proj) is packed
