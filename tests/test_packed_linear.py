@@ -330,3 +330,16 @@ def test_bf16_model_logits_packed_match_unpacked(
         cos = F.cosine_similarity(ours, ref, dim=-1)
         assert cos.min() > 0.999, cos.min()
         assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_onednn_rows_are_padded_to_few_sizes() -> None:
+    """oneDNN builds a kernel per row count: calls run at one of ~100 sizes up to 8192 rows,
+    never more than 12.5% above the rows asked for, and exactly at up to 32 rows."""
+    from batchgen.model.onednn_linear import padded_rows
+
+    sizes = [padded_rows(m) for m in range(1, 8193)]
+    assert sizes[:32] == list(range(1, 33))
+    assert all(m <= s <= m * 1.125 for m, s in enumerate(sizes, start=1))
+    assert sizes == sorted(sizes)
+    assert len(set(sizes)) <= 100
+    assert all(padded_rows(s) == s for s in set(sizes))

@@ -22,7 +22,11 @@ above, about 1e-4 of the outputs are one bf16 place apart, varying with M
 
 oneDNN builds (JIT-compiles) a kernel per distinct M on its first use and caches it (its
 primitive cache, 1024 entries by default): the first call at a new M costs about 1 ms (small M)
-to 10 ms (M ~ 300) per layer shape, as for ``F.linear`` in bf16.
+to 10 ms (M ~ 300) per layer shape, as for ``F.linear`` in bf16. Engine steps hold any number of
+tokens up to ``max_num_batched_tokens``, so a job would keep building kernels (and evict them
+from the cache). :func:`padded_rows` therefore rounds M up to one of a few sizes (M itself up to
+32, then 8 sizes per doubling, at most 12.5% more rows), and the calls run on zero-padded inputs:
+about 100 distinct kernels per layer shape up to M = 8192.
 """
 
 from __future__ import annotations
@@ -37,13 +41,36 @@ from torch import Tensor
 
 from batchgen.model.once import Once
 
-__all__ = ["OneDnn", "for_dtype", "load"]
+__all__ = ["OneDnn", "for_dtype", "load", "padded_rows"]
 
 log = logging.getLogger(__name__)
 
 # The row count oneDNN is told when the weight is reordered. None lets oneDNN pick; the layout
 # serves any row count, and no hint measured faster (scripts/bench_gemm.py --hints).
 _ROWS_HINT: int | None = None
+# Row counts up to this run as they are; above, 2**_STEPS_PER_DOUBLING_LOG2 sizes per doubling.
+_EXACT_ROWS = 32
+_STEPS_PER_DOUBLING_LOG2 = 3
+
+
+def padded_rows(m: int) -> int:
+    """The row count a call with ``m`` rows runs at: ``m`` up to 32, else ``m`` rounded up to a
+    multiple of 2**(floor(log2(m - 1)) - 3) (8 sizes per doubling, at most 12.5% padding)."""
+    if m <= _EXACT_ROWS:
+        return m
+    step = 1 << ((m - 1).bit_length() - 1 - _STEPS_PER_DOUBLING_LOG2)
+    return -(-m // step) * step
+
+
+def _pad(x: Tensor, rows: int) -> Tensor:
+    """x ``[m, k]`` -> ``[rows, k]`` (rows >= m): x on top of zero rows; x itself when equal."""
+    m = x.shape[0]
+    if rows == m:
+        return x
+    out = x.new_empty(rows, x.shape[1])
+    out[:m].copy_(x)
+    out[m:].zero_()
+    return out
 
 
 class OneDnn:
@@ -60,13 +87,20 @@ class OneDnn:
         return self._reorder(weight.detach().contiguous(), _ROWS_HINT)
 
     def linear(self, h: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-        """h ``[M, in]`` (rows may be a column slice) -> ``h @ W^T + bias`` ``[M, out]``."""
-        return self._linear(h, packed, bias, "none", [], "")
+        """h ``[M, in]`` (rows may be a column slice) -> ``h @ W^T + bias`` ``[M, out]``, run at
+        :func:`padded_rows` (M) rows."""
+        m = h.shape[0]
+        rows = padded_rows(m)
+        out = self._linear(_pad(h, rows), packed, bias, "none", [], "")
+        return out if rows == m else out[:m]
 
     def linear_add(self, h: Tensor, other: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
         """A new ``[M, out]`` tensor: ``other + h @ W^T + bias`` (other ``[M, out]``
-        contiguous), rounded once."""
-        return self._linear_add(h, other, packed, bias, "add")
+        contiguous), rounded once, run at :func:`padded_rows` (M) rows."""
+        m = h.shape[0]
+        rows = padded_rows(m)
+        out = self._linear_add(_pad(h, rows), _pad(other, rows), packed, bias, "add")
+        return out if rows == m else out[:m]
 
 
 def _find() -> OneDnn | None:
