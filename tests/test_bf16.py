@@ -9,10 +9,12 @@ compared instead, per architecture, on 16 prompts x 16 greedy tokens:
 - greedy tokens against transformers' bf16 ``generate``: a large share identical, and the first
   divergence late on average.
 
-Measured on a tiny llama / qwen2 (CPU, torch path, prompts of seed 0): mean |ours - fp32| 0.119 /
-0.087 nats against transformers-bf16's 0.120 / 0.086; mean |ours - hf bf16| 0.030 / 0.030;
-identical greedy tokens 85% / 83% (seed 3: 0.108 / 0.083, 0.110 / 0.081, 0.032 / 0.027, 75% / 84%). A bf16 path with a real bug (a wrong rotary, a missing norm, a mis-cast cache) lands
-far outside these bounds. The same test runs on CUDA where there is one.
+Measured on the four tiny architectures (CPU: C kernels and oneDNN-packed GEMMs, prompts of seed
+0; llama / mistral / qwen2 / qwen3): mean |ours - fp32| 0.119 / 0.115 / 0.094 / 0.032 nats against
+transformers-bf16's 0.123 / 0.116 / 0.095 / 0.033; mean |ours - hf bf16| 0.029 / 0.030 / 0.030 /
+0.025; identical greedy tokens 80% / 79% / 87% / 86%, median first divergence at the last of 16
+tokens. A bf16 path with a real bug (a wrong rotary, a missing norm, a mis-cast cache) lands far
+outside these bounds. The same test runs on CUDA where there is one.
 """
 
 from __future__ import annotations
@@ -24,13 +26,10 @@ import pytest
 import torch
 
 from batchgen.tiny_model import make_prompts
+from tests.hf_reference import ARCHS
 from tests.jobkit import run_job, write_job
 from tests.optional import require
 
-ARCHS = {
-    "llama": dict(num_heads=4, num_kv_heads=2, head_dim=24),
-    "qwen2": dict(num_heads=4, num_kv_heads=1),
-}
 MAX_NEW = 16
 
 
@@ -64,6 +63,9 @@ def test_bf16_job_tracks_transformers(arch, device, tiny_model, tmp_path) -> Non
     rows = run_job(job)
     report = json.loads((tmp_path / "out" / "_report.json").read_text())
     assert report["dtype"] == "bfloat16" and report["device"].startswith(device)
+    if device == "cpu":
+        require("cpu_kernels")
+        assert report["cpu_kernels"]  # the bf16 C kernels ran, not the PyTorch ops
 
     hf32 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
