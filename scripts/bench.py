@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -565,6 +566,27 @@ def ensure_vllm(venv: Path, log: Path) -> str | None:
     return _probe_vllm(venv)
 
 
+def vllm_thread_env(threads: int, cpus: list[int]) -> dict[str, str]:
+    """Environment for a vLLM-CPU worker computing on ``threads`` of ``cpus`` (the CPUs this
+    process may use). By default vLLM 0.32 binds its compute threads to all cores but one, which
+    it keeps for its scheduler process (on 2 cores: compute on 1), and sets OMP_NUM_THREADS
+    itself; an explicit VLLM_CPU_OMP_THREADS_BIND list is how to give it more."""
+    chosen = cpus[:threads] if cpus else list(range(threads))
+    return {
+        "OMP_NUM_THREADS": str(len(chosen)),
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in chosen),
+    }
+
+
+def vllm_compute_cpus(log: str) -> list[int] | None:
+    """The CPU ids vLLM-CPU bound its compute threads to, from its start-up log
+    (``local_rank=0, core ids=[0, 1]``); None where the log does not say."""
+    m = re.search(r"local_rank=0, core ids=\[([0-9, ]*)\]", log)
+    if m is None:
+        return None
+    return [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+
+
 def run_vllm(
     w: Workload, model: Path, data: Path, out: Path, dtype: str, args: argparse.Namespace
 ) -> dict:
@@ -586,9 +608,7 @@ def run_vllm(
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
     threads = args.vllm_omp_threads or args.threads
     if threads:
-        # Without it vLLM-CPU keeps one core for its front end: "Reducing Torch threads from 2
-        # to 1 for serving" on a 2-core machine.
-        env["OMP_NUM_THREADS"] = str(threads)
+        env.update(vllm_thread_env(threads, sorted(os.sched_getaffinity(0))))
     cmd = [
         str(args.vllm_venv / "bin" / "python"),
         str(Path(__file__).resolve()),
@@ -613,6 +633,7 @@ def run_vllm(
             "error": f"exit {rc}: {errs[-1][:200]} (log: {out / 'worker.log'})",
         }
     res = json.loads((out / "result.json").read_text())
+    res["compute_cpus"] = vllm_compute_cpus((out / "worker.log").read_text(errors="replace"))
     res["ok"] = True
     res["dtype"] = dtype
     res["wall_s"] = wall
@@ -817,6 +838,9 @@ def format_table(results: list[dict]) -> str:
         "* the dtype its users get: batchgen engine.dtype auto (as its _report.json says); "
         "vLLM bf16 where the CPU has amx_bf16 or avx512_bf16, else fp32. HF runs fp32."
     )
+    bound = {str(x.get("compute_cpus")) for r in results for x in r["vllm"].values() if x.get("ok")}
+    if bound:
+        lines.append(f"vLLM computed on CPUs {' / '.join(sorted(bound))} (see --vllm-omp-threads)")
     lines.append("")
     lines.append("headline: batchgen (dtype auto) / vLLM-CPU (its users' dtype), issue #15's goals")
     for r in results:
@@ -947,7 +971,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "batchgen and vLLM, torch.set_num_threads here); default: each one's own default",
     )
     parser.add_argument(
-        "--vllm-omp-threads", type=int, default=None, help="OMP_NUM_THREADS for vLLM's worker"
+        "--vllm-omp-threads",
+        type=int,
+        default=None,
+        help="compute threads for vLLM's worker, bound to the first CPUs this process may use "
+        "(VLLM_CPU_OMP_THREADS_BIND); default: --threads, else vLLM's own default (all cores "
+        "but one, kept for its scheduler: 1 of 2 here)",
     )
     parser.add_argument("--vllm-worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -1056,7 +1085,8 @@ def main() -> None:
                     res.update(median_run([dict(x, ok=True) for x in res["runs"]]))
                     print(
                         f"[bench]   vLLM {short(d)}: {res['tok_s']:.0f} tok/s "
-                        f"({res['elapsed_s']:.1f}s; engine start-up {res['startup_s']:.0f}s)",
+                        f"({res['elapsed_s']:.1f}s; engine start-up {res['startup_s']:.0f}s; "
+                        f"compute on CPUs {res['compute_cpus']})",
                         flush=True,
                     )
                 else:

@@ -104,3 +104,14 @@ def test_workload_work_counts_shared_prefixes_once(bench):
     prompt_ctx = (1 + 2 + 3 + 4) + 4 + (1 + 2)
     out_ctx = 2 * ((5 + 6 + 7) * 2 + (3 + 4 + 5))
     assert work["attention_context_sum"] == prompt_ctx + out_ctx
+
+
+def test_vllm_thread_env_binds_the_first_allowed_cpus(bench):
+    env = bench.vllm_thread_env(2, [3, 5, 7])
+    assert env == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "3,5"}
+
+
+def test_vllm_compute_cpus_from_its_log(bench):
+    log = "INFO x\n(EngineCore pid=1) INFO [omp.py:185] \tlocal_rank=0, core ids=[0, 1]\nmore"
+    assert bench.vllm_compute_cpus(log) == [0, 1]
+    assert bench.vllm_compute_cpus("no binding line") is None
