@@ -8,13 +8,25 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import jsonschema
 import pyarrow as pa
 import pytest
 
 from batchgen.tiny_model import make_prompts
-from tests.jobkit import invoke, read_results, refusal, run_cli, run_job, write_job
+from tests.jobkit import (
+    committed_rows,
+    invoke,
+    read_results,
+    refusal,
+    run_cli,
+    run_job,
+    write_job,
+)
 
 SCHEMA = {
     "type": "object",
@@ -147,3 +159,80 @@ def test_schema_file_and_json_object(tiny_model, tmp_path) -> None:
                     assert isinstance(value, dict)
                 else:
                     jsonschema.validate(value, schema)
+
+
+# --------------------------------------------------------------------------- the contracts hold
+
+INVARIANCE_SAMPLING = {
+    "temperature": 0.8,
+    "max_tokens": 64,
+    "n": 3,
+    "seed": 11,
+    "structured": {"json_schema": SCHEMA},
+}
+
+
+def _tokens(rows: list[dict]) -> dict[tuple, tuple]:
+    return {(r["id"], r["sample_index"]): (r["token_ids"], r["finish_reason"]) for r in rows}
+
+
+@pytest.mark.parametrize(
+    "engine, reverse",
+    [
+        ({"max_num_seqs": 1, "max_num_batched_tokens": 64}, False),  # one sample per step
+        pytest.param(  # preemptions by recompute
+            {"block_size": 8, "kv_cache_blocks": 24, "max_num_seqs": 16},
+            False,
+            marks=pytest.mark.slow,
+        ),
+        ({}, True),  # input order reversed
+    ],
+    ids=["batch-limits", "preemption", "input-order"],
+)
+def test_constrained_samples_do_not_depend_on_the_batch(tiny_model, tmp_path, engine, reverse):
+    """Masks depend only on the row's own tokens: forks (n=3) copy the grammar state, a
+    preempted sequence keeps its state with its tokens, so every engine setting gives the same
+    samples (float32 on the tiny model: no near-tie flips on these prompts)."""
+    model = _model(tiny_model)
+    prompts = PROMPTS[:8]
+    ref = run_job(write_job(tmp_path / "ref", model, prompts, sampling=INVARIANCE_SAMPLING))
+    ids = list(range(len(prompts)))
+    if reverse:
+        ids.reverse()
+    table = pa.table({"id": ids, "prompt": [prompts[i] for i in ids]})
+    job = write_job(
+        tmp_path / "got", model, table=table, sampling=INVARIANCE_SAMPLING, engine=engine
+    )
+    got = run_job(job)
+    assert _tokens(got) == _tokens(ref)
+    if "kv_cache_blocks" in engine:
+        assert _report(tmp_path / "got" / "out")["preemptions"] > 0
+    assert any(r["finish_reason"] == "stop" for r in ref)
+
+
+@pytest.mark.slow
+def test_interrupted_constrained_job_resumes_to_the_same_samples(tiny_model, tmp_path) -> None:
+    """SIGINT after the first commit, then resume: the folder equals one uninterrupted run (a
+    resumed row starts again from its prompt, its grammar state from the start)."""
+    model = _model(tiny_model)
+    prompts = make_prompts(96, seed=4, min_words=2, max_words=20)
+    sampling = {**INVARIANCE_SAMPLING, "n": 2}
+    ref = run_job(write_job(tmp_path / "ref", model, prompts, sampling=sampling))
+    job = write_job(tmp_path / "got", model, prompts, sampling=sampling, engine={"max_num_seqs": 4})
+    out = tmp_path / "got" / "out"
+    fast = ("--set", "output.commit_rows=2", "--set", "output.commit_seconds=0.05")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchgen.cli", "run", str(job), "--quiet", *fast],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and committed_rows(out) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert 0 < committed_rows(out) < len(prompts)
+    got = run_job(job)
+    assert _tokens(got) == _tokens(ref)
