@@ -30,7 +30,8 @@ class RowSchemaError(ValueError):
 
 def canonical_schema(value: Any) -> str:
     """A row's schema value (JSON text, or a mapping read from a struct column) as canonical JSON
-    text: the cache key. Null struct fields are dropped (a struct column has every field in every
+    text: the cache key. Key order is kept (properties are generated in the schema's order).
+    Null struct fields are dropped (a struct column has every field in every
     row). Raises RowSchemaError."""
     if isinstance(value, str):
         try:
@@ -41,7 +42,7 @@ def canonical_schema(value: Any) -> str:
         value = _drop_nulls(value)
     if not isinstance(value, dict):
         raise RowSchemaError(f"schema must be a JSON object, got {type(value).__name__}")
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _drop_nulls(value: Any) -> Any:
@@ -130,7 +131,7 @@ class StructuredOutputs:
 def _job_constraint(spec: StructuredConfig, compiler: GrammarCompiler) -> tuple[str, Any]:
     """(the key set, a function compiling it) for the job-level constraint."""
     if spec.json_schema is not None:
-        text = json.dumps(spec.json_schema, sort_keys=True)
+        text = json.dumps(spec.json_schema)
         return "json_schema", lambda: compiler.json_schema(text)
     if spec.json_schema_file is not None:
         path = spec.json_schema_file
@@ -146,7 +147,7 @@ def _job_constraint(spec: StructuredConfig, compiler: GrammarCompiler) -> tuple[
                 raise GrammarError(f"{path} is not valid JSON: {err}") from None
             if not isinstance(schema, dict):
                 raise GrammarError(f"{path} holds no JSON object")
-            return compiler.json_schema(json.dumps(schema, sort_keys=True))
+            return compiler.json_schema(json.dumps(schema))
 
         return "json_schema_file", from_file
     if spec.json_object:
