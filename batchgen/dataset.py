@@ -38,7 +38,8 @@ class InputRow:
     (the runner turns that row into ``error`` samples). ``messages`` is a list of
     ``{"role", "content"}`` dicts (other struct fields are dropped; a null message stays None).
     ``problem`` says why the row cannot be used as read (a value that is not valid UTF-8; that
-    value is None); the runner turns such a row into ``error`` samples.
+    value is None); the runner turns such a row into ``error`` samples. ``schema`` is the row's
+    value of ``schema_column`` as read (a JSON string, a mapping from a struct, or None).
     """
 
     id: int | str
@@ -46,6 +47,7 @@ class InputRow:
     messages: list[dict[str, Any] | None] | None
     keep: dict[str, Any]
     problem: str | None = None
+    schema: Any = None
 
 
 def resolve_input_files(spec: str) -> list[Path]:
@@ -185,6 +187,13 @@ class InputDataset:
                         f"(input.messages_column) has type {t}, expected "
                         "list<struct<role: string, content: string>>"
                     )
+            if cfg.schema_column is not None:
+                t = self._column_type(file, schema, cfg.schema_column, "schema_column")
+                if not (_is_string(t) or pa.types.is_struct(t) or pa.types.is_null(t)):
+                    raise InputError(
+                        f"input file {file}: column {cfg.schema_column!r} "
+                        f"(input.schema_column) has type {t}, expected a string (JSON) or a struct"
+                    )
             if cfg.id_column is not None:
                 t = self._column_type(file, schema, cfg.id_column, "id_column")
                 kind = _id_kind(t)
@@ -251,7 +260,13 @@ class InputDataset:
     def _columns(self) -> list[str]:
         """The columns to read, each once, in a fixed order."""
         cfg = self.cfg
-        wanted = [cfg.id_column, cfg.prompt_column, cfg.messages_column, *cfg.keep_columns]
+        wanted = [
+            cfg.id_column,
+            cfg.prompt_column,
+            cfg.messages_column,
+            cfg.schema_column,
+            *cfg.keep_columns,
+        ]
         return list(dict.fromkeys(c for c in wanted if c is not None))
 
     def iter_windows(
@@ -315,6 +330,7 @@ class InputDataset:
         ids = values(cfg.id_column) if cfg.id_column is not None else range(start, start + n)
         prompts = values(cfg.prompt_column)
         messages = values(cfg.messages_column)
+        schemas = values(cfg.schema_column)
         keep = {c: values(c) for c in cfg.keep_columns}
         for i in range(n):
             row_id = ids[i]
@@ -326,6 +342,7 @@ class InputDataset:
                 messages=_messages(messages[i]),
                 keep={c: vals[i] for c, vals in keep.items()},
                 problem=problems.get(i),
+                schema=schemas[i],
             )
 
 

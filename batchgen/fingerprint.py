@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from batchgen.errors import JobError
 from batchgen.job import Job
 
 FINGERPRINT_KEYS = ("model", "input", "sampling", "numerics")
@@ -53,14 +54,36 @@ def fingerprint(
         "id_column": job.input.id_column,
         "keep_columns": list(job.input.keep_columns),
     }
+    if job.input.schema_column is not None:  # absent otherwise: older folders keep resuming
+        columns["schema_column"] = job.input.schema_column
     fp = {
         "model": _digest(model_identity),
         "input": _digest({"identity": input_identity, "columns": columns}),
-        "sampling": _digest(job.sampling.model_dump(mode="json")),
+        "sampling": _digest(_sampling(job)),
     }
     if numerics is not None:
         fp["numerics"] = numerics
     return fp
+
+
+def _sampling(job: Job) -> dict[str, Any]:
+    """The sampling settings as the fingerprint records them: ``structured`` only when set (so
+    folders from before structured outputs resume), a schema file by its content, not its path."""
+    sampling = job.sampling.model_dump(mode="json", exclude={"structured"})
+    structured = job.sampling.structured
+    if structured is not None:
+        spec = structured.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+        if structured.json_schema_file is not None:
+            path = structured.json_schema_file
+            try:
+                spec["json_schema_file"] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+            except OSError as err:
+                raise JobError(
+                    f"sampling.structured.json_schema_file: cannot read {path}: "
+                    f"{err.strerror or err}"
+                ) from None
+        sampling["structured"] = spec
+    return sampling
 
 
 def describe_fingerprint_mismatch(old: Mapping[str, str], new: Mapping[str, str]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -151,6 +152,8 @@ class InputConfig(_Section):
     messages_column: str | None = Field(default=None, min_length=1)
     id_column: str | None = Field(default="id", min_length=1)
     keep_columns: StrList = ()
+    # a JSON schema per row (a JSON string, or a struct read as a mapping): structured output
+    schema_column: str | None = Field(default=None, min_length=1)
     window_rows: int = Field(default=10000, ge=1)
 
     @model_validator(mode="before")
@@ -186,6 +189,51 @@ class OutputConfig(_Section):
     commit_seconds: Float = Field(default=5.0, gt=0)
 
 
+class StructuredConfig(_Section):
+    """``sampling.structured:``: the form every output must take; exactly one key is set.
+
+    ``json_schema`` (a mapping) or ``json_schema_file`` (a path, relative to the job file): a
+    JSON value valid against the schema; ``json: true``: any JSON object; ``regex``: text the
+    expression matches as a whole; ``choice``: exactly one of the strings; ``grammar``: a Lark
+    grammar (llguidance's dialect, start rule ``start``). Whether the library accepts the schema,
+    expression or grammar is checked when the job starts (:mod:`batchgen.structured`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+    json_schema: dict[str, Any] | None = None
+    json_schema_file: PathValue | None = None
+    json_object: bool = Field(default=False, alias="json")
+    regex: str | None = Field(default=None, min_length=1)
+    choice: tuple[Annotated[str, Field(min_length=1)], ...] | None = Field(
+        default=None, min_length=1, strict=False
+    )
+    grammar: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredConfig:
+        given = [
+            name
+            for name, value in (
+                ("json_schema", self.json_schema),
+                ("json_schema_file", self.json_schema_file),
+                ("json", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            keys = "json_schema, json_schema_file, json: true, regex, choice, grammar"
+            if given:
+                raise ValueError(f"set only one of {keys} (got {', '.join(given)})")
+            raise ValueError(f"set one of {keys}")
+        if self.choice is not None and len(set(self.choice)) != len(self.choice):
+            raise ValueError("choice lists a string twice")
+        return self
+
+
 class SamplingConfig(_Section):
     """``sampling:``: how tokens are drawn (all of it is in the fingerprint)."""
 
@@ -203,6 +251,7 @@ class SamplingConfig(_Section):
     ignore_eos: bool = False
     seed: int = Field(default=0, ge=0)
     logprobs: bool = False
+    structured: StructuredConfig | None = None
 
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -384,10 +433,10 @@ def apply_override(raw: dict[str, Any], override: str) -> dict[str, Any]:
     parts = key.split(".")
     model: type[BaseModel] | None = Job
     for depth, part in enumerate(parts):
-        if model is None or part not in model.model_fields:
+        if model is None or part not in _keys(model):
             prefix = ".".join(parts[:depth])
             raise JobError(f"--set {override!r}: {_unknown_key(prefix, part, model)}")
-        model = _submodel(model.model_fields[part].annotation)
+        model = _submodel(_keys(model)[part].annotation)
     try:
         value = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
@@ -409,16 +458,24 @@ def apply_override(raw: dict[str, Any], override: str) -> dict[str, Any]:
 
 
 def _resolve_paths(job: Job, base: Path) -> Job:
-    """Make ``model``, ``input.path`` and ``output.path`` absolute, relative to ``base``."""
+    """Make ``model``, ``input.path``, ``output.path`` and
+    ``sampling.structured.json_schema_file`` absolute, relative to ``base``."""
 
     def absolute(p: str | Path) -> str:
         return os.path.normpath(base / Path(p).expanduser())
 
+    sampling = job.sampling
+    structured = sampling.structured
+    if structured is not None and structured.json_schema_file is not None:
+        schema_file = Path(absolute(structured.json_schema_file))
+        structured = structured.model_copy(update={"json_schema_file": schema_file})
+        sampling = sampling.model_copy(update={"structured": structured})
     return job.model_copy(
         update={
             "model": Path(absolute(job.model)),
             "input": job.input.model_copy(update={"path": absolute(job.input.path)}),
             "output": job.output.model_copy(update={"path": Path(absolute(job.output.path))}),
+            "sampling": sampling,
         }
     )
 
@@ -427,19 +484,26 @@ def _resolve_paths(job: Job, base: Path) -> Job:
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:
-    """The section model behind a field's annotation, or None for a leaf value."""
+    """The section model behind a field's annotation (also an optional one), or None for a
+    leaf value."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    return None
+    models = [a for a in typing.get_args(annotation) if _submodel(a) is not None]
+    return models[0] if len(models) == 1 else None
+
+
+def _keys(model: type[BaseModel]) -> dict[str, Any]:
+    """The keys of a section as the job file spells them (aliases), each with its field."""
+    return {field.alias or name: field for name, field in model.model_fields.items()}
 
 
 def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
     """The section model reached by following ``loc`` from the top of the job."""
     model: type[BaseModel] | None = Job
     for part in loc:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
+        if model is None or not isinstance(part, str) or part not in _keys(model):
             return None
-        model = _submodel(model.model_fields[part].annotation)
+        model = _submodel(_keys(model)[part].annotation)
     return model
 
 
@@ -448,7 +512,7 @@ def _unknown_key(prefix: str, name: str, model: type[BaseModel] | None) -> str:
     full = f"{prefix}.{name}" if prefix else name
     if model is None:
         return f"unknown key '{full}' ('{prefix}' has no sub-keys)"
-    valid = list(model.model_fields)
+    valid = list(_keys(model))
     close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.6)
     if close:
         return f"unknown key '{full}' (did you mean '{close[0]}'?)"
@@ -502,6 +566,7 @@ __all__ = [
     "Job",
     "OutputConfig",
     "SamplingConfig",
+    "StructuredConfig",
     "apply_override",
     "load_job",
     "parse_job",

@@ -16,17 +16,21 @@ from batchgen.dataset import InputRow
 from batchgen.errors import JobError, ModelError
 from batchgen.job import Job
 from batchgen.model.config import ModelInfo
+from batchgen.structured import RowSchemaError, StructuredOutputs
 
 
 @dataclass(frozen=True)
 class EncodedRow:
     """An input row with its prompt's token ids, or (``tokens`` None) why it cannot be generated.
 
-    ``tokens`` is any sequence of ints (the Ray executor ships them as a compact array)."""
+    ``tokens`` is any sequence of ints (the Ray executor ships them as a compact array).
+    ``schema`` is the canonical text of the row's own JSON schema (``input.schema_column``),
+    checked to compile; None: the row follows the job-level constraint, if any."""
 
     row: InputRow
     tokens: Sequence[int] | None
     problem: str | None = None
+    schema: str | None = None
 
 
 class RowProblem(Exception):
@@ -48,11 +52,16 @@ class RowProblem(Exception):
 class PromptEncoder:
     """Input rows -> token ids (plain prompts, or chat messages through the chat template), or
     the reason a row cannot be generated. Prompt length against max_model_len is checked later,
-    by the :class:`RowGenerator` that knows its KV cache."""
+    by the :class:`RowGenerator` that knows its KV cache. With ``input.schema_column``, each
+    row's schema is compiled here (``structured``'s cache): an unusable one is the row's
+    problem."""
 
-    def __init__(self, job: Job, tokenizer: Any) -> None:
+    def __init__(
+        self, job: Job, tokenizer: Any, structured: StructuredOutputs | None = None
+    ) -> None:
         self.job = job
         self.tokenizer = tokenizer
+        self.structured = structured
 
     def encode(self, rows: list[InputRow]) -> list[EncodedRow]:
         out: list[EncodedRow] = []
@@ -83,13 +92,22 @@ class PromptEncoder:
                     tokens = list(self.tokenizer(r.prompt, add_special_tokens=True)["input_ids"])
                 if not tokens:
                     raise RowProblem("the prompt encodes to zero tokens")
-                out.append(EncodedRow(r, tokens))
+                out.append(EncodedRow(r, tokens, schema=self._schema(r)))
             except RowProblem as e:
                 out.append(EncodedRow(r, None, str(e)))
             except Exception as e:  # noqa: BLE001 - a tokenizer failure is the row's problem
                 problem = RowProblem.of("the tokenizer cannot encode the prompt", e)
                 out.append(EncodedRow(r, None, str(problem)))
         return out
+
+    def _schema(self, row: InputRow) -> str | None:
+        if row.schema is None or self.structured is None:
+            return None
+        try:
+            return self.structured.row_schema(row.schema)
+        except RowSchemaError as err:
+            column = self.job.input.schema_column
+            raise RowProblem.of(f"{column}", err) from None
 
     def _render_messages(self, row: InputRow, column: str) -> list[int]:
         messages = row.messages

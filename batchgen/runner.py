@@ -35,6 +35,7 @@ from batchgen.results import OutputFolder, inspect_folder
 from batchgen.schema import RowGroup, Totals, error_rows, output_schema
 from batchgen.signals import GracefulStop, Interrupted
 from batchgen.status import read_status
+from batchgen.structured import StructuredOutputs
 
 # -- validate / status ----------------------------------------------------------------------------
 
@@ -47,7 +48,9 @@ def validate(job: Job) -> str:
     check_model(job.model)  # weights and tokenizer files, from their headers
     text, adopt = job_numerics(job, job.output.path)
     fp = fingerprint(job, model_identity(job.model), dataset.identity, text)
-    check_job_against_model(job, info, load_tokenizer(job.model))
+    tokenizer = load_tokenizer(job.model)
+    check_job_against_model(job, info, tokenizer)
+    StructuredOutputs(job, info, tokenizer)  # the job-level constraint compiles
     state = inspect_folder(job.output.path, fp, False, adopt)
     output = (
         f"resumes: {state.rows_done} of {dataset.num_rows} rows done" if state.manifest else "new"
@@ -87,14 +90,15 @@ def _check_ray_installed() -> None:
         ) from None
 
 
-def _make_executor(job: Job, tokenizer: Any) -> Executor:
+def _make_executor(job: Job, tokenizer: Any, structured: StructuredOutputs) -> Executor:
     if job.executor.kind == "ray":
         from batchgen.executors.ray import RayExecutor
 
         return RayExecutor(job, tokenizer)
     from batchgen.executors.local import LocalExecutor
 
-    return LocalExecutor(job, read_model_info(job.model), resolve_placement(job), tokenizer)
+    info = read_model_info(job.model)
+    return LocalExecutor(job, info, resolve_placement(job), tokenizer, structured)
 
 
 # -- run ------------------------------------------------------------------------------------------
@@ -121,6 +125,7 @@ class JobRun:
         fp = fingerprint(job, model_identity(job.model), self.dataset.identity, text)
         self.tokenizer = load_tokenizer(job.model)
         check_job_against_model(job, info, self.tokenizer)
+        self.structured = StructuredOutputs(job, info, self.tokenizer)
         self.folder = OutputFolder.open(job.output.path, fp, fresh, adopt)
         try:
             self._start(job)
@@ -141,12 +146,12 @@ class JobRun:
         self.nothing_to_do = len(self.done_ids) >= self.dataset.num_rows
         if self.nothing_to_do:
             return
-        self.encoder = PromptEncoder(job, self.tokenizer)
+        self.encoder = PromptEncoder(job, self.tokenizer, self.structured)
         self.params = sampling_params(job)
         schema = output_schema(self.dataset.id_type, self.dataset.keep_fields, self.params.logprobs)
         # Checked before any model is loaded: results with other columns cannot be resumed.
         self.folder.check_schema(schema)
-        self.executor = _make_executor(job, self.tokenizer)
+        self.executor = _make_executor(job, self.tokenizer, self.structured)
         self._check_numerics(self.executor.numerics())
         self.writer = self.folder.writer(schema, job.output.commit_rows, job.output.commit_seconds)
 
@@ -301,6 +306,13 @@ class JobRun:
         }
         if self.executor is not None:  # None: nothing to do, no engine was built
             report.update(self.executor.report())
+        structured = report.get("structured")
+        if structured is not None:
+            # compiling the row schemas happens here, on the rows' way in
+            structured["compile_s"] = round(self.structured.seconds, 4)
+            structured["mask_share"] = (
+                round(structured["mask_s"] / elapsed, 4) if elapsed > 0 else 0.0
+            )
         return report
 
     @staticmethod

@@ -74,15 +74,18 @@ def sample_row(
     num_cached_tokens: int,
     token_logprobs: list[float] | None,
     logprobs: bool,
+    error: str | None = None,
 ) -> dict[str, Any]:
-    """One generated output row. ``token_logprobs`` is written only when ``logprobs``."""
+    """One generated output row. ``token_logprobs`` is written only when ``logprobs``;
+    ``error``: why a sample that was generated ended with ``finish_reason: error`` (its
+    structured-output state failed)."""
     out: dict[str, Any] = {
         "id": row_id,
         "sample_index": sample_index,
         "text": text,
         "token_ids": token_ids,
         "finish_reason": finish_reason,
-        "error": None,
+        "error": error,
         "num_prompt_tokens": num_prompt_tokens,
         "num_cached_tokens": num_cached_tokens,
         "num_output_tokens": len(token_ids),

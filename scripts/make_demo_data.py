@@ -3,6 +3,8 @@
 - prompts.parquet: rows sharing a long system prompt, with a `topic` column (quickstart.yaml)
 - fewshot.parquet: rows built from a handful of few-shot templates, shuffled (fewshot.yaml)
 - chat.parquet:    chat conversations in a `messages` column with string ids (chat.yaml)
+- extract.parquet: texts to extract records from, each with the JSON schema of its record in a
+                   `schema` column (extract.yaml: structured outputs)
 
 Usage: python scripts/make_demo_data.py demo [--rows 200]
 """
@@ -10,6 +12,7 @@ Usage: python scripts/make_demo_data.py demo [--rows 200]
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from pathlib import Path
 
@@ -67,6 +70,49 @@ def chat(rows: int, rng: random.Random) -> pa.Table:
     )
 
 
+# The record kinds of extract.parquet: a row's `schema` is the JSON schema of its kind.
+EXTRACT_SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "product": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 32},
+            "price": {"type": "number", "minimum": 0},
+            "in_stock": {"type": "boolean"},
+        },
+        "required": ["title", "price", "in_stock"],
+        "additionalProperties": False,
+    },
+    "review": {
+        "type": "object",
+        "properties": {
+            "label": {"enum": ["positive", "negative", "neutral"]},
+            "stars": {"type": "integer", "minimum": 1, "maximum": 5},
+        },
+        "required": ["label", "stars"],
+        "additionalProperties": False,
+    },
+}
+
+
+def extract(rows: int, rng: random.Random) -> pa.Table:
+    kinds = [rng.choice(sorted(EXTRACT_SCHEMAS)) for _ in range(rows)]
+    prompts = [
+        f"Extract the {k} as JSON.\nText: {words(rng.randint(8, 30), seed=7000 + i)}\nJSON:"
+        for i, k in enumerate(kinds)
+    ]
+    schemas = [json.dumps(EXTRACT_SCHEMAS[k]) for k in kinds]
+    return pa.table({"id": list(range(rows)), "kind": kinds, "prompt": prompts, "schema": schemas})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
@@ -74,7 +120,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
-    for name, make in (("prompts", shared_system_prompt), ("fewshot", few_shot), ("chat", chat)):
+    makers = (
+        ("prompts", shared_system_prompt),
+        ("fewshot", few_shot),
+        ("chat", chat),
+        ("extract", extract),
+    )
+    for name, make in makers:
         table = make(args.rows, random.Random(args.seed))
         pq.write_table(table, args.folder / f"{name}.parquet")
         print(f"wrote {table.num_rows} rows to {args.folder / name}.parquet")

@@ -44,6 +44,7 @@ SPEC_INPUT = {
     "messages_column": None,
     "id_column": "id",
     "keep_columns": (),
+    "schema_column": None,
     "window_rows": 10000,
 }
 SPEC_OUTPUT = {"commit_rows": 1000, "commit_seconds": 5.0}
@@ -62,6 +63,7 @@ SPEC_SAMPLING = {
     "ignore_eos": False,
     "seed": 0,
     "logprobs": False,
+    "structured": None,
 }
 SPEC_ENGINE = {
     "device": "auto",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 
 from batchgen.engine.batch import build_step
 from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.grammar import apply_masks
 from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels
 from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import Request, SampleResult, Sequence
@@ -37,6 +39,9 @@ class EngineStats:
     sampled_tokens: int = 0  # tokens drawn (what a progress bar's tokens/s counts)
     allocated_slots: int = 0  # summed over steps: KV slots in blocks in use
     unused_slots: int = 0  # summed over steps: allocated slots that hold no token yet
+    mask_seconds: float = 0.0  # filling and applying structured-output masks
+    constrained_samples: int = 0  # finished samples that followed a grammar
+    complete_samples: int = 0  # of those, the ones whose output is complete for the grammar
 
     @property
     def waste(self) -> float:
@@ -138,7 +143,11 @@ class Engine:
         finished = self.scheduler.update(batch, draws)
         if self.check_invariants:
             self.scheduler.check()
-        return [self._result(seq) for seq in finished]
+        results = [self._result(seq) for seq in finished]
+        for res in results:
+            self.stats.constrained_samples += res.constrained
+            self.stats.complete_samples += res.complete
+        return results
 
     def _sample(self, batch: Batch, logits: torch.Tensor) -> list[list[Draw]]:
         params, keys, positions, seqs = [], [], [], []
@@ -160,6 +169,12 @@ class Engine:
         rows = SamplingBatch.from_rows(
             params, keys, positions, prompt_ids, output_ids, self.vocab_size, logits.device
         )
+        if any(s.constraint is not None for s in seqs):
+            # Before forking, a sequence's targets share its grammar state (no token yet).
+            start = time.perf_counter()
+            logits = logits.float()
+            apply_masks(logits, [s.constraint for s in seqs])
+            self.stats.mask_seconds += time.perf_counter() - start
         want_logprobs = any(p.logprobs for p in params)
         out = sample(logits, rows, logprobs=want_logprobs, kernels=self.sampler_kernels)
         tokens = out.tokens.tolist()
@@ -199,6 +214,9 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens or 0,
             token_logprobs=list(seq.token_logprobs) if seq.params.logprobs else None,
             text=seq.text,
+            error=seq.constraint.error if seq.constraint is not None else None,
+            constrained=seq.constraint is not None,
+            complete=seq.constraint is not None and seq.constraint.accepting,
         )
 
 

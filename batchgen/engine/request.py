@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from batchgen.engine.stop import DecodedText
 
@@ -33,8 +34,44 @@ class SamplingParams:
     logprobs: bool = False
 
 
+class Constraint(Protocol):
+    """The grammar state of one sample (structured outputs; :mod:`batchgen.engine.grammar`).
+
+    A function of the grammar and the tokens consumed so far, nothing else. The scheduler forks it
+    with its sequence and feeds it every sampled token; the engine masks the logits with it."""
+
+    def fork(self) -> Constraint:
+        """An independent copy of this state."""
+        ...
+
+    def consume(self, token: int) -> None:
+        """Advance by one sampled token (one outside the grammar puts the state in error)."""
+        ...
+
+    @property
+    def complete(self) -> bool:
+        """The grammar reached its end: nothing may follow."""
+        ...
+
+    @property
+    def accepting(self) -> bool:
+        """The tokens so far form a complete output of the grammar."""
+        ...
+
+    @property
+    def error(self) -> str | None:
+        """Why the state failed (a step over the library's work limit), or None."""
+        ...
+
+
+class ConstraintSource(Protocol):
+    """A compiled grammar: where the samples of a constrained request start from."""
+
+    def start(self) -> Constraint: ...
+
+
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
+    STOP = "stop"  # EOS, a stop token id, a stop string, or a completed structured output
     LENGTH = "length"  # max_tokens or max_model_len
     ERROR = "error"
 
@@ -51,6 +88,7 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     targets: tuple[SampleTarget, ...]  # one per sample to draw; at least one
+    grammar: ConstraintSource | None = None  # the structured output every sample must follow
 
 
 @dataclass
@@ -64,6 +102,9 @@ class SampleResult:
     num_cached_tokens: int  # prompt tokens whose KV this sample reused instead of computing
     token_logprobs: list[float] | None = None  # set when params.logprobs
     text: str | None = None  # set by the engine when stop strings were matched (truncated text)
+    error: str | None = None  # why, when finish_reason is ERROR
+    constrained: bool = False  # the request had a grammar
+    complete: bool = False  # constrained, and the output is a complete sentence of the grammar
 
 
 @dataclass(eq=False)
@@ -97,6 +138,9 @@ class Sequence:
     waits_for: Sequence | None = None  # the admitted part whose prompt this sequence waits for
     decoded: DecodedText = field(default_factory=DecodedText)  # read only for stop strings
     text: str | None = None  # the output text cut before a matched stop string
+    # The grammar state after the tokens so far (the request has a grammar); forked with the
+    # sequence, kept through preemption (the tokens it consumed are kept too).
+    constraint: Constraint | None = None
 
     @property
     def params(self) -> SamplingParams:

@@ -135,6 +135,7 @@ class Scheduler:
                 token_ids=list(request.prompt_token_ids),
                 num_prompt_tokens=len(request.prompt_token_ids),
                 cache_handle=self._root,
+                constraint=request.grammar.start() if request.grammar is not None else None,
             )
         )
 
@@ -241,6 +242,7 @@ class Scheduler:
             block_table=list(seq.block_table),
             num_cached_tokens=num_cached_tokens,
             num_blocks_in_cache=seq.num_blocks_in_cache,
+            constraint=seq.constraint.fork() if seq.constraint is not None else None,
         )
         if seq.num_computed:
             self.pool.incref(part.block_table)
@@ -413,6 +415,8 @@ class Scheduler:
                 seq.rest = None
             for child, draw in zip(self._fork(seq), seq_draws, strict=True):
                 child.token_ids.append(draw.token)
+                if child.constraint is not None:
+                    child.constraint.consume(draw.token)
                 if child.params.logprobs:
                     child.token_logprobs.append(draw.logprob)
                 reason = self._finish_reason(child, draw.token)
@@ -456,13 +460,17 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Whether ``seq`` ends with its newest token ``token``, decided here only and in this
-        order: EOS or a stop token id, a stop string (then ``seq.text`` is the output text cut
-        before it), max_tokens or max_model_len."""
+        order: EOS or a stop token id, a failed grammar state (error), a stop string (then
+        ``seq.text`` is the output text cut before it), a completed grammar, max_tokens or
+        max_model_len. (A grammar allows EOS only where its output is complete.)"""
         params = seq.params
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
             return FinishReason.STOP
+        constraint = seq.constraint
+        if constraint is not None and constraint.error is not None:
+            return FinishReason.ERROR
         if params.stop and self.stop_strings is not None:
             text = self.stop_strings.match(
                 seq.decoded, seq.token_ids, seq.num_prompt_tokens, params.stop
@@ -470,6 +478,8 @@ class Scheduler:
             if text is not None:
                 seq.text = text
                 return FinishReason.STOP
+        if constraint is not None and constraint.complete:
+            return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         if len(seq.token_ids) >= self.config.max_model_len:

@@ -35,6 +35,7 @@ from batchgen.plan import (
 )
 from batchgen.prompts import EncodedRow
 from batchgen.schema import RowGroup, error_rows, sample_row
+from batchgen.structured import CompiledGrammar, RowSchemaError, StructuredOutputs
 
 
 @dataclass
@@ -55,12 +56,24 @@ class RowGenerator:
     :meth:`step` while :meth:`has_work`; each step returns the rows that finished in it.
     """
 
-    def __init__(self, job: Job, info: ModelInfo, place: Placement, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        job: Job,
+        info: ModelInfo,
+        place: Placement,
+        tokenizer: Any,
+        structured: StructuredOutputs | None = None,
+    ) -> None:
+        """``structured``: the job's compiled constraints (the runner's, whose cache also served
+        the row encoder); a Ray worker compiles its own."""
         self.job = job
         self.info = info
         self.place = place
         self.tokenizer = tokenizer
         self.params = sampling_params(job)
+        self.structured = (
+            structured if structured is not None else StructuredOutputs(job, info, tokenizer)
+        )
         self.pending: dict[int, PendingRow] = {}
         self.next_handle = 0
         attention = make_attention_backend(place.backend)
@@ -105,9 +118,11 @@ class RowGenerator:
 
     def feed(self, encoded: Sequence[EncodedRow]) -> list[RowGroup]:
         """Queue rows: the rest become requests in depth-first trie order, identical prompts
-        folded into one request. Returns the error groups of rows that cannot run."""
+        (with the same constraint) folded into one request. Returns the error groups of rows that
+        cannot run."""
         errors: list[RowGroup] = []
-        groups: dict[tuple[int, ...], list[SampleTarget]] = {}
+        groups: dict[tuple[tuple[int, ...], str], list[SampleTarget]] = {}
+        grammars: dict[str, CompiledGrammar | None] = {}
         n = self.params.n
         for item in encoded:
             row, tokens = item.row, item.tokens
@@ -119,12 +134,20 @@ class RowGenerator:
             if len(tokens) >= self.max_model_len:
                 errors.append(self._error_rows(row, self._too_long(len(tokens))))
                 continue
+            key = item.schema or ""  # "": the job-level constraint (or none)
+            if key not in grammars:
+                try:
+                    grammars[key] = self.structured.grammar_for(item.schema)
+                except RowSchemaError as err:  # a worker's own compile of the row's schema
+                    errors.append(self._error_rows(row, str(err)))
+                    continue
             self.pending[handle] = PendingRow(row, len(tokens), [None] * n)
-            targets = groups.setdefault(tuple(tokens), [])
+            targets = groups.setdefault((tuple(tokens), key), [])
             for k in range(n):
                 targets.append(SampleTarget(handle, k, rng_key(self.params.seed, row.id, k)))
-        for tokens in sorted(groups):
-            self.engine.add(Request(tokens, self.params, tuple(groups[tokens])))
+        for tokens, key in sorted(groups):
+            targets = tuple(groups[tokens, key])
+            self.engine.add(Request(tokens, self.params, targets, grammar=grammars[key]))
         return errors
 
     def step(self) -> list[RowGroup]:
@@ -165,6 +188,7 @@ class RowGenerator:
                     num_cached_tokens=res.num_cached_tokens,
                     token_logprobs=res.token_logprobs,
                     logprobs=self.params.logprobs,
+                    error=res.error,
                 )
             )
         return rows
@@ -173,7 +197,16 @@ class RowGenerator:
         """The engine's figures for ``_report.json``."""
         stats = self.engine.stats
         scheduler = self.engine.scheduler
+        structured = None
+        if self.structured.enabled:
+            structured = {
+                "constrained_samples": stats.constrained_samples,
+                "complete_samples": stats.complete_samples,
+                "compile_s": round(self.structured.seconds, 4),
+                "mask_s": round(stats.mask_seconds, 4),
+            }
         return {
+            "structured": structured,
             "preemptions": scheduler.num_preemptions,
             "kv_blocks": self.engine.config.num_blocks,
             "kv_block_size": self.engine.config.block_size,
@@ -194,8 +227,15 @@ class RowGenerator:
 class LocalExecutor:
     """The :class:`~batchgen.executors.Executor` of ``executor.kind: local``."""
 
-    def __init__(self, job: Job, info: ModelInfo, place: Placement, tokenizer: Any) -> None:
-        self.generator = RowGenerator(job, info, place, tokenizer)
+    def __init__(
+        self,
+        job: Job,
+        info: ModelInfo,
+        place: Placement,
+        tokenizer: Any,
+        structured: StructuredOutputs | None = None,
+    ) -> None:
+        self.generator = RowGenerator(job, info, place, tokenizer, structured)
         self.window_rows = job.input.window_rows
         # Keep enough queued for full batches; read the next window only when the queue runs low.
         self._low_water = 2 * job.engine.max_num_seqs

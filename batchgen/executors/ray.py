@@ -259,7 +259,9 @@ class RayExecutor:
 
     def submit(self, rows: Sequence[EncodedRow]) -> None:
         # Tokens travel as compact arrays through Ray's object store.
-        runnable = [EncodedRow(r.row, array.array("i", r.tokens)) for r in rows if r.tokens]
+        runnable = [
+            EncodedRow(r.row, array.array("i", r.tokens), schema=r.schema) for r in rows if r.tokens
+        ]
         if not runnable:
             return
         live = {s.index: s for s in self.slots if s.alive}

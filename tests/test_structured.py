@@ -1,0 +1,238 @@
+"""Structured outputs (sampling.structured, input.schema_column) on the tiny test models.
+
+A random model's outputs are as far from the constraints as outputs get: every sample that ends
+with ``stop`` must still parse and validate, for several seeds at temperature 0.8.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jsonschema
+import pyarrow as pa
+import pytest
+
+from batchgen.tiny_model import make_prompts
+from tests.jobkit import (
+    committed_rows,
+    invoke,
+    read_results,
+    refusal,
+    run_cli,
+    run_job,
+    write_job,
+)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["positive", "negative", "neutral"]},
+        "ok": {"type": "boolean"},
+        "score": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["label", "ok", "score", "tags"],
+    "additionalProperties": False,
+}
+PROMPTS = make_prompts(12, seed=1, min_words=2, max_words=20)
+BASE = {"temperature": 0.8, "max_tokens": 64, "n": 2}
+
+
+def _model(tiny_model):
+    return tiny_model("llama", hidden_size=64, vocab_size=512)
+
+
+def _report(out) -> dict:
+    return json.loads((out / "_report.json").read_text())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_json_schema_outputs_validate(tiny_model, tmp_path, seed) -> None:
+    sampling = {**BASE, "seed": seed, "structured": {"json_schema": SCHEMA}}
+    rows = run_job(write_job(tmp_path, _model(tiny_model), PROMPTS, sampling=sampling))
+    assert len(rows) == 2 * len(PROMPTS)
+    stopped = [r for r in rows if r["finish_reason"] == "stop"]
+    assert len(stopped) >= len(rows) // 2, [r["text"] for r in rows]
+    for r in stopped:
+        jsonschema.validate(json.loads(r["text"]), SCHEMA)
+        assert r["text"] == r["text"].strip()  # no free whitespace
+    report = _report(tmp_path / "out")["structured"]
+    assert report["constrained_samples"] == len(rows)
+    assert report["complete_samples"] == len(stopped)
+    assert report["compile_s"] > 0 and 0 <= report["mask_share"] < 1
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_choice_regex_and_grammar(tiny_model, tmp_path, seed) -> None:
+    model = _model(tiny_model)
+    choices = ["positive", "negative", 'a "quoted" one', "pos"]
+    cases = {
+        "choice": ({"choice": choices}, lambda t: t in choices),
+        "regex": ({"regex": r"[a-c]{2,4}-\d{2}"}, re.compile(r"[a-c]{2,4}-\d{2}").fullmatch),
+        "grammar": (
+            {"grammar": 'start: "x=" NUM ("," NUM)*\nNUM: /[0-9]{1,3}/\n'},
+            re.compile(r"x=[0-9]{1,3}(,[0-9]{1,3})*").fullmatch,
+        ),
+    }
+    for name, (structured, valid) in cases.items():
+        sampling = {**BASE, "seed": seed, "structured": structured}
+        rows = run_job(write_job(tmp_path / name, model, PROMPTS, sampling=sampling))
+        stopped = [r for r in rows if r["finish_reason"] == "stop"]
+        assert len(stopped) >= len(rows) // 2, (name, [r["text"] for r in rows])
+        for r in stopped:
+            assert valid(r["text"]), (name, r["text"])
+        if name == "choice":
+            assert len(stopped) == len(rows)
+
+
+def test_cut_by_max_tokens_is_length(tiny_model, tmp_path) -> None:
+    sampling = {**BASE, "max_tokens": 3, "structured": {"json_schema": SCHEMA}}
+    rows = run_job(write_job(tmp_path, _model(tiny_model), PROMPTS, sampling=sampling))
+    assert {r["finish_reason"] for r in rows} == {"length"}
+    assert all(r["num_output_tokens"] == 3 for r in rows)
+
+
+def test_per_row_schemas(tiny_model, tmp_path) -> None:
+    shapes = [
+        SCHEMA,
+        {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 4},
+        {"enum": ["red", "green", "blue"]},
+        {"type": "integer", "minimum": -50, "maximum": 50},
+        {"type": "object", "properties": {"k": {"const": 7}}, "required": ["k"]},
+    ]
+    texts: list[str | None] = [json.dumps(s) for s in shapes]
+    texts += ['{"type": "wrong"}', "{not json", None]
+    prompts = PROMPTS[: len(texts)]
+    table = pa.table({"id": list(range(len(texts))), "prompt": prompts, "schema": texts})
+    sampling = {**BASE, "seed": 5}
+    job = write_job(
+        tmp_path, _model(tiny_model), table=table, sampling=sampling,
+        input_extra={"schema_column": "schema"},
+    )  # fmt: skip
+    rows = run_job(job)
+    assert len(rows) == 2 * len(texts)
+    for r in rows:
+        i = r["id"]
+        if i < len(shapes):
+            assert r["finish_reason"] in ("stop", "length"), r
+            if r["finish_reason"] == "stop":
+                jsonschema.validate(json.loads(r["text"]), shapes[i])
+        elif texts[i] is None:  # no schema of its own, no job-level one: free text
+            assert r["finish_reason"] in ("stop", "length") and r["error"] is None
+        else:
+            assert r["finish_reason"] == "error" and r["error"].startswith("schema:"), r
+    stopped = sum(r["finish_reason"] == "stop" for r in rows if r["id"] < len(shapes))
+    assert stopped >= len(shapes), [r["text"] for r in rows]
+
+
+def test_invalid_job_schema_exits_2_before_the_output_folder(tiny_model, tmp_path) -> None:
+    model = _model(tiny_model)
+    cases = [
+        ({"json_schema": {"type": "wrong"}}, "sampling.structured.json_schema"),
+        ({"regex": "(ab"}, "sampling.structured.regex"),
+        ({"grammar": "start: nothing_here"}, "sampling.structured.grammar"),
+        ({"json_schema_file": "missing.json"}, "json_schema_file"),
+    ]
+    for i, (structured, needle) in enumerate(cases):
+        job = write_job(tmp_path / str(i), model, PROMPTS, sampling={"structured": structured})
+        line = refusal(invoke("run", job, "--quiet"))
+        assert needle in line, line
+        assert not (tmp_path / str(i) / "out").exists()
+
+
+def test_schema_file_and_json_object(tiny_model, tmp_path) -> None:
+    model = _model(tiny_model)
+    (tmp_path / "s.json").write_text(json.dumps(SCHEMA))
+    for structured, schema in [({"json_schema_file": "s.json"}, SCHEMA), ({"json": True}, None)]:
+        sampling = {**BASE, "max_tokens": 48, "structured": structured}
+        job = write_job(tmp_path, model, PROMPTS[:6], sampling=sampling)
+        run_cli("run", job, "--quiet", "--fresh")
+        for r in read_results(tmp_path / "out"):
+            if r["finish_reason"] == "stop":
+                value = json.loads(r["text"])
+                if schema is None:
+                    assert isinstance(value, dict)
+                else:
+                    jsonschema.validate(value, schema)
+
+
+# --------------------------------------------------------------------------- the contracts hold
+
+INVARIANCE_SAMPLING = {
+    "temperature": 0.8,
+    "max_tokens": 64,
+    "n": 3,
+    "seed": 11,
+    "structured": {"json_schema": SCHEMA},
+}
+
+
+def _tokens(rows: list[dict]) -> dict[tuple, tuple]:
+    return {(r["id"], r["sample_index"]): (r["token_ids"], r["finish_reason"]) for r in rows}
+
+
+@pytest.mark.parametrize(
+    "engine, reverse",
+    [
+        ({"max_num_seqs": 1, "max_num_batched_tokens": 64}, False),  # one sample per step
+        pytest.param(  # preemptions by recompute
+            {"block_size": 8, "kv_cache_blocks": 24, "max_num_seqs": 16},
+            False,
+            marks=pytest.mark.slow,
+        ),
+        ({}, True),  # input order reversed
+    ],
+    ids=["batch-limits", "preemption", "input-order"],
+)
+def test_constrained_samples_do_not_depend_on_the_batch(tiny_model, tmp_path, engine, reverse):
+    """Masks depend only on the row's own tokens: forks (n=3) copy the grammar state, a
+    preempted sequence keeps its state with its tokens, so every engine setting gives the same
+    samples (float32 on the tiny model: no near-tie flips on these prompts)."""
+    model = _model(tiny_model)
+    prompts = PROMPTS[:8]
+    ref = run_job(write_job(tmp_path / "ref", model, prompts, sampling=INVARIANCE_SAMPLING))
+    ids = list(range(len(prompts)))
+    if reverse:
+        ids.reverse()
+    table = pa.table({"id": ids, "prompt": [prompts[i] for i in ids]})
+    job = write_job(
+        tmp_path / "got", model, table=table, sampling=INVARIANCE_SAMPLING, engine=engine
+    )
+    got = run_job(job)
+    assert _tokens(got) == _tokens(ref)
+    if "kv_cache_blocks" in engine:
+        assert _report(tmp_path / "got" / "out")["preemptions"] > 0
+    assert any(r["finish_reason"] == "stop" for r in ref)
+
+
+@pytest.mark.slow
+def test_interrupted_constrained_job_resumes_to_the_same_samples(tiny_model, tmp_path) -> None:
+    """SIGINT after the first commit, then resume: the folder equals one uninterrupted run (a
+    resumed row starts again from its prompt, its grammar state from the start)."""
+    model = _model(tiny_model)
+    prompts = make_prompts(96, seed=4, min_words=2, max_words=20)
+    sampling = {**INVARIANCE_SAMPLING, "n": 2}
+    ref = run_job(write_job(tmp_path / "ref", model, prompts, sampling=sampling))
+    job = write_job(tmp_path / "got", model, prompts, sampling=sampling, engine={"max_num_seqs": 4})
+    out = tmp_path / "got" / "out"
+    fast = ("--set", "output.commit_rows=2", "--set", "output.commit_seconds=0.05")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchgen.cli", "run", str(job), "--quiet", *fast],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and committed_rows(out) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert 0 < committed_rows(out) < len(prompts)
+    got = run_job(job)
+    assert _tokens(got) == _tokens(ref)
