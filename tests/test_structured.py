@@ -90,6 +90,34 @@ def test_choice_regex_and_grammar(tiny_model, tmp_path, seed) -> None:
             assert len(stopped) == len(rows)
 
 
+def test_stop_strings_and_stop_tokens_still_apply(tiny_model, tmp_path) -> None:
+    """A stop string inside an allowed output cuts it (``stop``); a stop token the grammar allows
+    ends the sample there."""
+    from transformers import AutoTokenizer
+
+    model = _model(tiny_model)
+    choices = ["alpha", "beta", "gamma"]
+    sampling = {**BASE, "seed": 3, "structured": {"choice": choices}, "stop": ["mm"]}
+    rows = run_job(write_job(tmp_path / "strings", model, PROMPTS, sampling=sampling))
+    assert all(r["finish_reason"] == "stop" for r in rows), rows
+    assert {r["text"] for r in rows} <= {"alpha", "beta", "ga"}
+    assert "ga" in {r["text"] for r in rows}, "no sample chose gamma: pick another seed"
+
+    # the tokens of the choices as spelled alone are stop tokens: a sample ends at the first
+    # of them it samples (the grammar may spell a choice with other tokens too)
+    tok = AutoTokenizer.from_pretrained(model)
+    stops = sorted({t for c in choices for t in tok(c, add_special_tokens=False)["input_ids"]})
+    sampling = {**BASE, "seed": 3, "structured": {"choice": choices}, "stop_token_ids": stops}
+    rows = run_job(write_job(tmp_path / "tokens", model, PROMPTS, sampling=sampling))
+    cut = 0
+    for r in rows:
+        ids = r["token_ids"]
+        assert r["finish_reason"] == "stop", r
+        assert not set(ids[:-1]) & set(stops), r
+        cut += ids[-1] in stops and r["text"] not in choices
+    assert cut > 0, "no sample was cut by a stop token: pick another seed"
+
+
 def test_cut_by_max_tokens_is_length(tiny_model, tmp_path) -> None:
     sampling = {**BASE, "max_tokens": 3, "structured": {"json_schema": SCHEMA}}
     rows = run_job(write_job(tmp_path, _model(tiny_model), PROMPTS, sampling=sampling))
@@ -236,3 +264,34 @@ def test_interrupted_constrained_job_resumes_to_the_same_samples(tiny_model, tmp
     assert 0 < committed_rows(out) < len(prompts)
     got = run_job(job)
     assert _tokens(got) == _tokens(ref)
+
+
+@pytest.mark.slow
+def test_ray_workers_constrain_rows_and_report_it(tiny_model, tmp_path) -> None:
+    """Row schemas travel to Ray workers: the same samples as the local executor, and the report
+    sums the workers' structured figures."""
+    pytest.importorskip("ray")
+    schemas = [SCHEMA, {"enum": ["red", "green", "blue"]}, {"type": "integer"}]
+    texts = [json.dumps(schemas[i % 3]) for i in range(6)]
+    table = pa.table({"id": list(range(6)), "prompt": PROMPTS[:6], "schema": texts})
+    sampling = {**BASE, "seed": 11}
+    outs = {}
+    for kind in ("local", "ray"):
+        job = write_job(
+            tmp_path / kind, _model(tiny_model), table=table, sampling=sampling,
+            input_extra={"schema_column": "schema"},
+        )  # fmt: skip
+        extra = ("--set", "executor.kind=ray", "--set", "executor.num_workers=1")
+        run_cli("run", str(job), "--quiet", *(extra if kind == "ray" else ()))
+        outs[kind] = tmp_path / kind / "out"
+    rows = {
+        k: sorted(read_results(o), key=lambda r: (r["id"], r["sample_index"]))
+        for k, o in outs.items()
+    }
+    assert [r["token_ids"] for r in rows["ray"]] == [r["token_ids"] for r in rows["local"]]
+    report = _report(outs["ray"])
+    assert report["executor"] == "ray"
+    structured = report["structured"]
+    assert structured["constrained_samples"] == 12
+    assert structured["complete_samples"] == sum(r["finish_reason"] == "stop" for r in rows["ray"])
+    assert structured["mask_s"] > 0 and 0 < structured["mask_share"] < 1

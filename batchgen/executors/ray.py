@@ -82,7 +82,7 @@ class _Slot:
     queued: int = 0  # shards submitted and not finished
     outstanding: int = 0  # cost of the rows assigned and not received
     totals: Totals = field(default_factory=Totals)
-    stats: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
     groups: list[dict[str, Any]] = field(default_factory=list)  # for the report
     num_groups: int = 0
 
@@ -421,7 +421,19 @@ class RayExecutor:
         def total(key: str) -> int:
             return sum(int(w[key]) for w in workers)
 
+        structured = None
+        if self.job.sampling.structured is not None or self.job.input.schema_column is not None:
+            structured = {
+                "constrained_samples": sum(
+                    int(s.stats.get("constrained_samples", 0)) for s in self.slots
+                ),
+                "complete_samples": sum(
+                    int(s.stats.get("complete_samples", 0)) for s in self.slots
+                ),
+                "mask_s": round(sum(s.stats.get("mask_s", 0.0) for s in self.slots), 4),
+            }
         return {
+            "structured": structured,
             "preemptions": total("preemptions"),
             "engine_steps": total("engine_steps"),
             "evicted_kv_blocks": total("evicted_kv_blocks"),

@@ -29,7 +29,7 @@ class Chunk:
     chunk (``peak_kv_blocks_used`` is a level, not a delta)."""
 
     groups: list[RowGroup]
-    stats: dict[str, int]
+    stats: dict[str, float]
     pid: int
 
 
@@ -97,7 +97,7 @@ class Worker:
                 last = time.monotonic()
         yield Chunk(buffer, self._stats(), os.getpid())
 
-    def _stats(self) -> dict[str, int]:
+    def _stats(self) -> dict[str, float]:
         assert self.generator is not None
         engine = self.generator.engine
         now = {
@@ -105,6 +105,9 @@ class Worker:
             "sampled_tokens": engine.stats.sampled_tokens,
             "preemptions": engine.scheduler.num_preemptions,
             "evicted_kv_blocks": engine.scheduler.num_evicted_blocks,
+            "constrained_samples": engine.stats.constrained_samples,
+            "complete_samples": engine.stats.complete_samples,
+            "mask_s": engine.stats.mask_seconds,
         }
         delta = {k: v - self.reported.get(k, 0) for k, v in now.items()}
         self.reported = now
