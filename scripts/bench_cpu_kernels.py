@@ -15,7 +15,8 @@ Cases:
 - bf16 (``--bf16``, also on a Qwen2.5-0.5B head shape, 14:2): decode, prefill and extend
   attention in the fp32 kernels, the bf16 kernels (this CPU's build and the portable one) and the
   PyTorch bf16 path (``TorchAttention(native=False)``: gathers and SDPA), all through the paged
-  cache.
+  cache; ``bf16_plan``: what a bf16 native plan runs (the kernels, SDPA for long fresh
+  prefills).
 
 Every case first checks that both sides agree. Times are medians of ``--reps``; the machine is
 noisy, so compare ratios within one run. Slow-ish (a minute); not part of the tests.
@@ -258,6 +259,13 @@ def bf16_case(
         lambda: attn.forward(q, kv[0], kv[1], cache[0], cache[1], plan, 0.125), reps
     )
     ref = attn.forward(q, kv[0], kv[1], cache[0], cache[1], plan, 0.125).float()
+    # what a bf16 native plan runs (the kernels, or SDPA for long fresh prefills)
+    native_attn = TorchAttention(native=True)
+    native_plan = native_attn.prepare(meta, cache[None], hq)
+    times["bf16_plan"] = median_ms(
+        lambda: native_attn.forward(q, kv[0], kv[1], cache[0], cache[1], native_plan, 0.125),
+        reps,
+    )
     for name in ("bf16", "bf16_portable"):
         torch.testing.assert_close(outs[name], ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs["fp32"], ref, atol=5e-2, rtol=5e-2)

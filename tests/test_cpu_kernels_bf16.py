@@ -112,3 +112,63 @@ def test_bf16_model_runs_the_c_kernels_like_the_torch_path(
     assert logprob_distance(ours, ref) <= 0.75 * torch_error
     assert logprob_distance(ours, exact) <= 1.15 * torch_error
     assert torch.nn.functional.cosine_similarity(ours, ref, dim=-1).min() > 0.998
+
+
+def test_bf16_long_fresh_prefills_go_to_sdpa_beside_kernels_and_cascades(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a bf16 native plan a fresh prefill of at least ``_FRESH_SDPA_MIN`` tokens runs in a
+    PyTorch SDPA group (faster there than the tiled kernel), everything else in the kernels, in
+    one step with a cascade (whose merge keeps the output fp32 until the end): the SDPA rows are
+    bit for bit the PyTorch path's, the rest within bf16 rounding of it."""
+    from batchgen.model.attention import AttentionMetadata, torch_plan
+
+    require("cpu_kernels")
+    monkeypatch.setattr(torch_plan, "_CASCADE_MIN_SAVED", 0)
+    hq, hkv, d, bs = 8, 2, 64, 16
+    fresh = torch_plan._FRESH_SDPA_MIN
+    short = 40  # a fresh prefill below the threshold: the tiled kernel
+    nf, ns = -(-fresh // bs), -(-short // bs)
+    # sequences: long fresh, short fresh, two cascade members (2 shared blocks + 3 new of 35
+    # keys), a decode (20 keys)
+    tables = [
+        list(range(1, 1 + nf)),
+        list(range(1 + nf, 1 + nf + ns)),
+        [40 + nf, 41 + nf, 42 + nf],
+        [40 + nf, 41 + nf, 43 + nf],
+        [44 + nf, 45 + nf],
+    ]
+    k_lens, q_lens = [fresh, short, 35, 35, 20], [fresh, short, 3, 3, 1]
+    num_blocks = 46 + nf
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, num_blocks, bs, hkv, d, generator=gen).bfloat16()
+    bt = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
+    slots = []
+    for b, table in enumerate(tables):
+        bt[b, : len(table)] = torch.tensor(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(k_lens[b] - q_lens[b], k_lens[b])]
+    slot_mapping = torch.tensor(slots)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=bt,
+        cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(k_lens, dtype=torch.int32),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(k_lens),
+    )
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).bfloat16()
+    kv = cache.view(2, -1, hkv, d)[:, slot_mapping]  # the new tokens' K/V, stored again
+    outs, plans = [], []
+    for native in (True, False):
+        attn = TorchAttention(native)
+        plan = attn.prepare(meta, cache[None], hq)
+        plans.append(plan)
+        outs.append(attn.forward(q, kv[0], kv[1], cache[0], cache[1], plan, 0.125))
+    plan = plans[0]
+    assert plan.kernels is not None and plan.cascade_batch is not None
+    assert [(g.kind, g.n) for g in plan.groups] == [(torch_plan.FRESH, 1)]
+    assert plan.tiled_seqs is not None and 1 in plan.tiled_seqs.tolist()
+    ours, ref = outs
+    assert ours.dtype == ref.dtype == torch.bfloat16
+    assert torch.equal(ours[:fresh], ref[:fresh])
+    torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -52,7 +52,8 @@ class TorchAttention:
     """PyTorch paged attention (the CPU production path).
 
     On a CPU fp32 or bf16 cache, every sequence and every cascade prefix runs in the C kernels of
-    :mod:`batchgen.model.cpu_kernels` (they read the paged cache in place) when they can be built;
+    :mod:`batchgen.model.cpu_kernels` (they read the paged cache in place) when they can be built,
+    but for long fresh prefills on a bf16 cache (PyTorch SDPA groups, see ``torch_plan``);
     ``native=False`` keeps everything in PyTorch (gathers and SDPA). ``prepare`` builds the
     step's ``TorchAttentionPlan``; ``forward`` runs it for one layer. Holds grow-only gather
     buffers reused by every layer and step (a fresh allocation of tens of MB per gather costs more
@@ -160,7 +161,7 @@ class TorchAttention:
             rows = (
                 g.out_rows if g.out_rows is not None else torch.arange(num_tokens, device=q.device)
             )
-            out.index_copy_(0, rows, o)
+            out.index_copy_(0, rows, o.to(out.dtype))  # fp32 out when a cascade merge follows
             if lse is not None:
                 assert lse_all is not None
                 lse_all.index_copy_(0, rows, lse)

@@ -13,7 +13,8 @@ Two further ideas:
   gather traffic of shared-prefix workloads into one small matmul.
 
 With the C kernels (CPU fp32 or bf16 caches, ``native`` plans), every sequence goes to them
-instead of to a group: they read the paged cache in place.
+instead of to a group (they read the paged cache in place), except long fresh prefills on a bf16
+cache, which PyTorch's bf16 SDPA computes faster (FRESH groups, see ``_FRESH_SDPA_MIN``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ _GROUP_OVERHEAD = 8192
 # many query rows (one 16-lane tile) goes to the C kernel's tiled variant; fewer rows (decodes,
 # short extends) to its per-token variant, which wastes no lanes.
 _TILED_MIN_ROWS = 16
+# In bf16 native plans a fresh prefill (no cached keys) of at least this many tokens goes to a
+# PyTorch SDPA group instead: the C kernel's tiled variant computes in fp32 (AVX512-BF16 dot
+# products measured slower than its fp32 FMAs on an AMX CPU), while PyTorch's bf16 SDPA runs its
+# matmuls on oneDNN (AMX where present). Measured, 1 thread, 8:2 and 14:2 heads of 64: the
+# kernel is faster up to ~128 tokens, even at 256, 2.2-2.6x slower at 512.
+_FRESH_SDPA_MIN = 256
 # A shared prefix becomes a cascade when it saves at least this many gathered key positions.
 _CASCADE_MIN_SAVED = 256
 
@@ -109,7 +116,8 @@ class TorchAttentionPlan:
     groups: list[Group]
     cascades: list[Cascade]  # PyTorch plans
     cascade_batch: CascadeBatch | None = None  # native plans: all cascades, one C call
-    # the C kernels' share (``native`` plans: every sequence), one call each
+    # the C kernels' share (``native`` plans: every sequence but bf16 long fresh prefills), one
+    # call each
     native_seqs: Tensor | None = None  # [m] int32 sequences for the per-token kernel
     tiled_seqs: Tensor | None = None  # [m] int32 sequences for the tiled kernel
     k_start: Tensor | None = None  # [B] int32 first key each sequence attends to (cascades)
@@ -190,8 +198,10 @@ def build_torch_plan(
 
     ``kernels`` given (a ``native`` plan): every sequence goes to the C kernels, which read the
     paged cache in place (``native_seqs`` / ``tiled_seqs``, split by ``_TILED_MIN_ROWS``),
-    instead of into gathered SDPA groups; the shared prefixes of cascades go to a C kernel too
-    (one call for all of them, merged into the other kernels' results by log-sum-exp).
+    instead of into gathered SDPA groups, except, on a bf16 cache, fresh prefills of at least
+    ``_FRESH_SDPA_MIN`` tokens (FRESH groups: SDPA on the step's own K/V, no gather); the shared
+    prefixes of cascades go to a C kernel too (one call for all of them, merged into the other
+    kernels' results by log-sum-exp).
 
     One host sync per step (the B+1 offsets and B lengths, and the block-table rows of cascade
     candidates); the groups' index tensors are built with vectorized ops on the metadata's
@@ -229,7 +239,8 @@ def build_torch_plan(
     native_seqs: list[int] = []
     tiled_seqs: list[int] = []
     for b in range(num_seqs):
-        if native:
+        sdpa_fresh = dtype == torch.bfloat16 and q_lens[b] == k_lens[b] >= _FRESH_SDPA_MIN
+        if native and not sdpa_fresh:
             (tiled_seqs if q_lens[b] * group >= _TILED_MIN_ROWS else native_seqs).append(b)
             continue
         member = start[b] > 0
