@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, ensure_model, make_workloads, write_parquet  # noqa: E402
+from bench import MODEL_SPECS, ROOT, ensure_model, make_workload, write_parquet  # noqa: E402
 
 SMALL_SCHEMA = {
     "type": "object",
@@ -70,7 +70,7 @@ def run_job(model: Path, data: Path, out: Path, w: Any, structured: dict | None)
         "input": {"path": str(data)},
         "output": {"path": str(out / "result")},
         "sampling": sampling,
-        "engine": {"device": "cpu", "dtype": "float32"},
+        "engine": {"device": "cpu", "dtype": "auto"},
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "job.yaml").write_text(json.dumps(job, indent=2))
@@ -122,8 +122,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     base = ROOT / "bench-out"
-    model = ensure_model(base / "model")
-    (w,) = make_workloads(AutoTokenizer.from_pretrained(model), ["A"], args.scale)
+    model = ensure_model(base / "model", MODEL_SPECS["small"])
+    w = make_workload(AutoTokenizer.from_pretrained(model), "A", args.scale)
     data = base / "structured" / "A.parquet"
     write_parquet(w, data)
     print(f"[bench] workload A: {w.rows} rows, n={w.n}, max_tokens={w.max_tokens}", flush=True)
