@@ -7,8 +7,8 @@ Qwen2.5-0.5B-class model's.
                                  [--hints] [--invariance] [--json bench-out/gemm.json]
 
 - the table: GFLOP/s per layer and row count M, of the product and of the residual form
-  ``x += h @ W^T`` (``Linear.add_``: ``addmm_``; ``OneDnnLinear.add_``: the fused add) (best of several calls: the machine is shared
-  and noisy, so compare columns within one run); a cell is left out where the output would
+  ``x += h @ W^T`` (``Linear.add_``: ``addmm_``; ``OneDnnLinear.add_``: the fused add), best of
+  several calls (the machine is shared and noisy, so compare columns within one run); a cell is left out where the output would
   exceed ``--max-out`` elements (the LM head only ever sees one row per sequence);
 - ``--hints``: the packed bf16 GEMM with the weight reordered for different row counts (the
   batch-size hint of ``_reorder_linear_weight``), including the exact M;

@@ -2,8 +2,8 @@
 
 Backends first write the new K/V into the cache at ``slot_mapping``, then attend over the cache.
 ``TorchAttention`` is the CPU production path (PyTorch, plus the C kernels of
-:mod:`batchgen.model.cpu_kernels` on CPU fp32 and bf16 caches); ``TritonAttention`` calls the kernels in
-``batchgen.kernels`` (imported at its first call: nothing here needs Triton).
+:mod:`batchgen.model.cpu_kernels` on CPU fp32 and bf16 caches); ``TritonAttention`` calls the
+kernels in ``batchgen.kernels`` (imported at its first call: nothing here needs Triton).
 
 - ``metadata``: ``AttentionMetadata`` (one engine step) and the ``AttentionBackend`` protocol;
 - ``torch_plan``: the torch backend's per-step plan (groups, cascades, kernel shares);

@@ -19,12 +19,12 @@ class LayerBackend:
     """The implementations available to the layers of a model whose weights live on ``device``
     in ``dtype`` (the modules themselves are built on the meta device, then loaded).
 
-    ``cpu``: the C kernels of :mod:`batchgen.model.cpu_kernels` (RMSNorm, RoPE, SwiGLU), on CPU
-    fp32 when they could be built. ``gemm``: the GEMM whose packed weights the linear layers
+    ``cpu``: the C kernels of :mod:`batchgen.model.cpu_kernels` (RMSNorm, RoPE, SwiGLU), on CPU fp32
+    and bf16 when they could be built. ``gemm``: the GEMM whose packed weights the linear layers
     hold (:func:`batchgen.model.layers.linear.pack_linears_`): MKL's packed sgemm
-    (:mod:`batchgen.model.packed_linear`) on CPU fp32 when torch exports it, oneDNN's packed
-    inner product (:mod:`batchgen.model.onednn_linear`) on CPU bf16 when oneDNN runs bf16 here.
-    None: the PyTorch ops (``F.linear``).
+    (:mod:`batchgen.model.packed_linear`) on CPU fp32 when torch exports it, oneDNN's packed inner
+    product (:mod:`batchgen.model.onednn_linear`) on CPU bf16 when oneDNN runs bf16 here. None: the
+    PyTorch ops (``F.linear``).
     """
 
     device: torch.device
