@@ -88,3 +88,36 @@ def copy_blocks_ref(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
     assert not set(src_ids) & set(dst_ids), "a block may not be both a source and a destination"
     for s, d in zip(src_ids, dst_ids, strict=True):
         kv_cache[:, :, d] = kv_cache[:, :, s]
+
+
+# Quantized KV cache (int8, fp8 e4m3): one fp32 scale per (token, KV head), computed from that
+# token's own K or V when it is written. Every kernel that stores into a quantized cache must give
+# exactly these bytes and scales:
+#   xf = x in fp32 (bf16/fp16 widened exactly); amax = max |xf| over D; scale = amax / QMAX
+#   (one IEEE fp32 division); y = clamp(xf / scale, -QMAX, QMAX) (IEEE fp32 division);
+#   int8: q = round-half-to-even(y); fp8: q = y cast to float8_e4m3fn (round to nearest even);
+#   where scale == 0 (an all-zero row, or amax so small it underflows), q = 0.
+# Reading dequantizes as q (widened to fp32) * scale, in fp32.
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_kv_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize x ``[..., D]`` per row of D: returns (q ``[..., D]`` cache_dtype, scale ``[...]``
+    fp32) by the rule above. The element error ``|q * scale - x|`` is at most ``amax / 254``
+    for int8."""
+    qmax = QMAX[cache_dtype]
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / qmax
+    nonzero = scale > 0
+    divisor = torch.where(nonzero, scale, torch.ones_like(scale))
+    y = (xf / divisor[..., None]).clamp(-qmax, qmax)
+    y = torch.where(nonzero[..., None], y, torch.zeros_like(y))
+    q = torch.round(y).to(torch.int8) if cache_dtype == torch.int8 else y.to(cache_dtype)
+    return q, scale
+
+
+def dequantize_kv_ref(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``q * scale`` in fp32 (q ``[..., D]``, scale ``[...]``), then cast to dtype."""
+    return (q.float() * scale[..., None].float()).to(dtype)
