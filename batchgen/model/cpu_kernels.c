@@ -5,6 +5,10 @@
  *   store_kv_*           the step's new K/V into their cache slots
  *   rms_norm_*, rope_*, silu_mul_*   one-pass layer ops
  *   prefix_attention_merge_*  shared prefixes attended by their rows and merged, in one call
+ * int8 KV cache (_i8; q, k, v fp32 or bf16, one fp32 scale per (slot, KV head)):
+ *   store_kv_i8          quantize the step's new K/V into their slots (bit for bit
+ *                        kernels/reference.py's quantize_kv_ref)
+ *   paged_attention_i8, prefix_attention_merge_i8   attention over the int8 cache
  * fp32 only:
  *   uniform_noise_f32    the sampler's hashed uniforms (bit for bit the PyTorch formula)
  *   race_draw_f32        the sampler's temperature-only draw, fused (noise, weights, race)
@@ -31,6 +35,12 @@
  * q.k dot products of bf16 q and K use vdpbf16ps (fp32 sums of exact bf16 products).
  * The dtype is a compile-time constant (BF) of the always-inline inner functions, a run-time flag
  * (Args.bf16) of the outer ones: one source for both, the fp32 code paths unchanged.
+ *
+ * int8 caches (paged_attention_i8): k_cache/v_cache [num_blocks, block_size, Hkv, D] int8,
+ * k_scale/v_scale [num_blocks, block_size, Hkv] fp32; row (slot s, head h) is the integers times
+ * scale[s*Hkv + h]. Per token, the integers are widened to fp32 in registers and the scale is
+ * applied once per (key, head): to the fp32 dot product with q, and to the softmax weight of
+ * the value row. Tiled and prefix paths dequantize (q * scale in fp32) while gathering.
  *
  * Work items are (sequence, KV head) pairs; the G = Hq/Hkv query heads of a KV head are
  * processed together so each key and value row is read once per query token.
