@@ -78,19 +78,25 @@ class PromptEncoder:
 
     def _checked_sampling(self, row: InputRow) -> InputRow:
         """The row with its sampling overrides checked (as ``sampling:`` checks the job's) and
-        normalized; a bad value makes the row's problem (unless it has one) and drops them."""
+        normalized; a bad value makes the row's problem (unless it has one) and drops them, but
+        for a good ``n``."""
         if not row.sampling:
             return row
         try:
             normalized = row_sampling(row.sampling, self.sampling_labels)
         except RowProblem as problem:
-            return replace(row, sampling=None, problem=row.problem or str(problem))
+            # Its error rows follow the row's n when that value is good, else the job's.
+            try:
+                n = row_sampling({"n": row.sampling["n"]}, {}) if "n" in row.sampling else None
+            except RowProblem:
+                n = None
+            return replace(row, sampling=n, problem=row.problem or str(problem))
         return replace(row, sampling=normalized)
 
     def encode(self, rows: list[InputRow]) -> list[EncodedRow]:
         """Each row with its tokens, or with the problem that keeps it from running. The rows
-        handed back carry their sampling overrides checked and normalized (``sampling`` None
-        when a value was bad: its error rows follow the job's ``n``)."""
+        handed back carry their sampling overrides checked and normalized (when a value was
+        bad, only a good ``n`` is kept: the row's error rows follow it, else the job's)."""
         rows = [self._checked_sampling(r) for r in rows]
         out: list[EncodedRow] = []
         plain = [r for r in rows if r.messages is None and r.prompt]
@@ -184,7 +190,9 @@ def row_sampling(overrides: Mapping[str, Any], labels: Mapping[str, str]) -> dic
         key = str(first["loc"][0]) if first["loc"] else next(iter(values))
         label = labels.get(key, key)
         msg = str(first["msg"]).removeprefix("Value error, ")
-        msg = msg.replace("Input should", "must").replace("a valid tuple", "a list")
+        for lead in ("Input should", "String should", "Tuple should", "List should"):
+            msg = msg.replace(lead, "must")
+        msg = msg.replace("a valid tuple", "a list")
         raise RowProblem(f"{label}: {msg} (got {values.get(key)!r})") from None
     return {key: getattr(checked, key) for key in values}
 
