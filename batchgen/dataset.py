@@ -137,12 +137,12 @@ def resolve_inputs(spec: str, fmt: str = "auto") -> list[tuple[Path, str]]:
                     "set input.format or use a glob"
                 )
         if not files:
-            exts = sorted(
-                (e for e, f in EXTENSIONS.items() if want in ("auto", f)),
-                key=lambda e: (EXTENSIONS[e] != "parquet", e),
-            )
+            first = "parquet" if want == "auto" else want
+            exts = [e for e, f in EXTENSIONS.items() if f == first][: 1 if want == "auto" else None]
+            others = [e for e in EXTENSIONS if want == "auto" and e not in exts]
+            nor = f" nor {', '.join('*' + e for e in others)} files" if others else ""
             raise InputError(
-                f"input folder {path} holds no input files ({', '.join('*' + e for e in exts)})"
+                f"input folder {path} holds no {', '.join('*' + e for e in exts)} files{nor}"
             )
         return files
     if _GLOB_CHARS & set(spec):

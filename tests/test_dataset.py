@@ -228,9 +228,7 @@ def test_path_matches_nothing(tmp_path: Path) -> None:
     assert "does not exist" in input_error(InputConfig(path=str(tmp_path / "nope.parquet")))
     assert "matches no files" in input_error(InputConfig(path=str(tmp_path / "*.parquet")))
     (tmp_path / "empty").mkdir()
-    assert "holds no input files (*.parquet" in input_error(
-        InputConfig(path=str(tmp_path / "empty"))
-    )
+    assert "holds no *.parquet files" in input_error(InputConfig(path=str(tmp_path / "empty")))
 
 
 def test_not_parquet_names_the_file(tmp_path: Path) -> None:
