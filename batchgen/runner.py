@@ -63,8 +63,13 @@ def validate(job: Job) -> str:
         f"model:    {job.model} ({info.architecture}, {info.num_layers} layers, "
         f"{info.num_heads} heads / {info.num_kv_heads} KV heads, head_dim {info.head_dim})",
         f"input:    {dataset.num_rows} rows from {job.input.path}",
-        f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
-        f"max_tokens={job.sampling.max_tokens})",
+        (
+            f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
+            f"max_tokens={job.sampling.max_tokens})"
+            if not _per_row_sampling(job)
+            else f"samples:  n={job.sampling.n}, max_tokens={job.sampling.max_tokens}, "
+            "unless a row sets its own"
+        ),
         f"output:   {job.output.path} ({output})",
     ]
     if job.executor.kind == "ray":
@@ -79,6 +84,10 @@ def validate(job: Job) -> str:
     lines += describe_engine(job, info, resolve_placement(job))
     lines.append(describe_executor(job))
     return "\n".join(lines)
+
+
+def _per_row_sampling(job: Job) -> bool:
+    return bool(job.input.sampling_columns) or job.input.format == "openai_batch"
 
 
 def status(path: str | Path) -> str:
