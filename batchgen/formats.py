@@ -13,8 +13,8 @@ schema's types. Parsing is pyarrow's; what is ours is the unit of reading and th
   lines before it) to name the first bad line.
 - CSV is read by ``pyarrow.csv``'s streaming reader (quoted values may span lines). Its types
   are decided over the whole file, not its first block: the scan reads every column as text and
-  keeps, per column, the narrowest of int64, float64, bool and string that every value converts
-  to; ``text_columns`` stay strings. A malformed row (wrong field count) is located with the
+  keeps, per column, the first of int64, float64, bool (true/false) and string that every value
+  converts to; ``text_columns`` stay strings. A malformed row (wrong field count) is located with the
   standard ``csv`` module, which counts physical lines.
 
 Every problem is an :class:`~batchgen.errors.InputError` of one line naming the file (and line).
@@ -223,7 +223,7 @@ class JsonLinesFile(InputFile):
                 k = _type_kind(f.type)
                 if k is not None:
                     kinds[f.name] = (k, "earlier lines")
-        for offset, raw in enumerate(data.splitlines()):
+        for offset, raw in enumerate(data.split(b"\n")):
             line = first + offset
             if not raw.strip():
                 continue
@@ -369,10 +369,10 @@ class CsvFile(InputFile):
 
 
 def _casts(column: pa.Array, t: pa.DataType) -> bool:
-    """Whether every non-null text value of ``column`` converts to ``t`` (bool: true/false)."""
-    if pa.types.is_boolean(t):
-        lowered = pc.utf8_lower(column.drop_null())
-        return bool(pc.all(pc.is_in(lowered, pa.array(["true", "false"]))).as_py() is not False)
+    """Whether every non-null text value of ``column`` converts to ``t``."""
+    if pa.types.is_boolean(t):  # the spellings pyarrow.csv converts
+        words = pa.array(["true", "True", "TRUE", "false", "False", "FALSE"])
+        return pc.all(pc.is_in(column.drop_null(), words)).as_py() is not False
     try:
         pc.cast(column, t, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):

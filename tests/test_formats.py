@@ -195,16 +195,18 @@ def test_int_then_float_widens_across_chunks(tmp_path: Path, monkeypatch) -> Non
 
 def test_csv_types_come_from_the_whole_file(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(formats, "_CSV_BLOCK_BYTES", 64)
-    lines = ["id,prompt,n"] + [f"{i},{i},{1 + i % 2}" for i in range(40)]
-    lines[35] = 'x34,"two\nlines",2'
+    lines = ["id,prompt,n,flag,x"] + [f"{i},{i},{1 + i % 2},{i % 3 == 0},{i}" for i in range(40)]
+    lines[35] = 'x34,"two\nlines",2,,0.5'
     path = tmp_path / "t.csv"
     path.write_text("\n".join(lines) + "\n")
-    data = InputDataset(InputConfig(path=str(path), keep_columns=["n"]))
+    data = InputDataset(InputConfig(path=str(path), keep_columns=["n", "flag", "x"]))
     assert data.id_type == pa.string()  # one id is not a number: all ids are strings
-    assert data.keep_fields[0].type == pa.int64()
+    assert [f.type for f in data.keep_fields] == [pa.int64(), pa.bool_(), pa.float64()]
     rows = [r for w in data.iter_windows(100) for r in w]
     assert [r.prompt for r in rows[:2]] == ["0", "1"]  # prompts stay text
     assert rows[34].id == "x34" and rows[34].prompt == "two\nlines"
+    assert rows[34].keep == {"n": 2, "flag": None, "x": 0.5}
+    assert rows[3].keep == {"n": 2, "flag": True, "x": 3.0}
 
 
 def test_malformed_csv_line_is_named(model: Path, tmp_path: Path) -> None:
