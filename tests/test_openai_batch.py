@@ -432,3 +432,29 @@ def test_resume_with_per_row_n(model: Path, tmp_path: Path, monkeypatch) -> None
     status = run_cli("status", tmp_path / "parts").stdout
     assert "8 of 8 rows" in status and "samples:       18" in status
     pq.read_table(tmp_path / "parts")  # the folder reads as one table
+
+
+@pytest.mark.slow
+def test_ray_workers_follow_per_row_sampling(model: Path, tmp_path: Path) -> None:
+    """Per-row settings travel with the rows to Ray workers: an OpenAI batch file gives the
+    local executor's output there (fp32 on CPU: no near-tie flips were ever seen here)."""
+    ray = pytest.importorskip("ray")
+    lines = [
+        request(f"r{i}", TEXT, prompt=p, n=1 + i % 3, seed=i, temperature=0.9, max_tokens=2 + i)
+        for i, p in enumerate(PROMPTS)
+    ]
+    lines.append(BAD[2][0])
+    write_lines(tmp_path / "in.jsonl", lines)
+    run_cli("run", batch_job(tmp_path, model, "in.jsonl", "local"), "--quiet")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    try:
+        ray_job = batch_job(tmp_path, model, "in.jsonl", "ray")
+        run_cli("run", ray_job, "--set", "executor.kind=ray", "--set", "executor.num_workers=2")
+    finally:
+        ray.shutdown()
+    local = read_jsonl(tmp_path / "local" / "_batch_output.jsonl")
+    remote = read_jsonl(tmp_path / "ray" / "_batch_output.jsonl")
+    assert without_created(remote) == without_created(local)
+    assert [len(o["response"]["body"]["choices"]) for o in remote[:-1]] == [
+        1 + i % 3 for i in range(len(PROMPTS))
+    ]
