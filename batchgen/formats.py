@@ -158,31 +158,45 @@ class ArrowFile(InputFile):
 # --------------------------------------------------------------------------- JSON Lines
 
 
-def _kind(value: Any) -> str | None:
-    """A JSON value's kind as pyarrow's inference sees it (numbers are one kind: ints widen)."""
+def _value_kinds(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(path, kind) of a JSON value and of everything inside it, kinds as pyarrow's inference
+    sees them (numbers are one kind: ints widen to floats; null fits anything). Paths: ``a``,
+    ``a.b``, ``a[]`` for the items of a list."""
     if value is None:
-        return None
+        return
     if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
+        yield path, "boolean"
+    elif isinstance(value, (int, float)):
+        yield path, "number"
+    elif isinstance(value, str):
+        yield path, "string"
+    elif isinstance(value, list):
+        yield path, "array"
+        for item in value:
+            yield from _value_kinds(item, path + "[]")
+    else:
+        yield path, "object"
+        for key, item in value.items():
+            yield from _value_kinds(item, f"{path}.{key}")
 
 
-def _type_kind(t: pa.DataType) -> str | None:
+def _type_kinds(t: pa.DataType, path: str) -> Iterator[tuple[str, str]]:
+    """(path, kind) of an Arrow type as :func:`_value_kinds` names JSON values."""
     if pa.types.is_null(t):
-        return None
+        return
     if pa.types.is_boolean(t):
-        return "boolean"
-    if pa.types.is_integer(t) or pa.types.is_floating(t):
-        return "number"
-    if pa.types.is_struct(t):
-        return "object"
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return "array"
-    return "string"
+        yield path, "boolean"
+    elif pa.types.is_integer(t) or pa.types.is_floating(t):
+        yield path, "number"
+    elif pa.types.is_struct(t):
+        yield path, "object"
+        for i in range(t.num_fields):
+            yield from _type_kinds(t.field(i).type, f"{path}.{t.field(i).name}")
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        yield path, "array"
+        yield from _type_kinds(t.value_type, path + "[]")
+    else:
+        yield path, "string"
 
 
 class JsonLinesFile(InputFile):
@@ -216,13 +230,13 @@ class JsonLinesFile(InputFile):
         self, first: int, data: bytes, known: pa.Schema | None, err: BaseException
     ) -> InputError:
         """The error line of a chunk pyarrow could not read: its first line that is not a JSON
-        object, or whose top-level field has another kind than before (in this file)."""
-        kinds: dict[str, tuple[str, str]] = {}  # field -> (kind, where it was seen first)
+        object, or where a field (also one nested in objects and lists) has another kind than
+        before in this file."""
+        kinds: dict[str, tuple[str, str]] = {}  # path -> (kind, where it was seen first)
         if known is not None:
             for f in known:
-                k = _type_kind(f.type)
-                if k is not None:
-                    kinds[f.name] = (k, "earlier lines")
+                for path, kind in _type_kinds(f.type, f.name):
+                    kinds[path] = (kind, "earlier lines")
         for offset, raw in enumerate(data.split(b"\n")):
             line = first + offset
             if not raw.strip():
@@ -235,14 +249,13 @@ class JsonLinesFile(InputFile):
             if not isinstance(value, dict):
                 return InputError(f"{where} is not a JSON object (JSON Lines: one object per line)")
             for key, item in value.items():
-                k = _kind(item)
-                if k is None:
-                    continue
-                seen = kinds.setdefault(key, (k, f"line {line}"))
-                if seen[0] != k:
-                    return InputError(
-                        f"{where}: field {key!r} is a JSON {k}, but a {seen[0]} on {seen[1]}"
-                    )
+                for path, kind in _value_kinds(item, key):
+                    seen = kinds.setdefault(path, (kind, f"line {line}"))
+                    if seen[0] != kind:
+                        return InputError(
+                            f"{where}: field {path!r} is a JSON {kind}, but a {seen[0]} on "
+                            f"{seen[1]}"
+                        )
         last = first + data.count(b"\n")
         return InputError(f"input file {self.path} lines {first}-{last}: {_one_line(err)}")
 

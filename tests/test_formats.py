@@ -146,7 +146,8 @@ def test_folder_of_jsonl_files_and_unknown_extension(model: Path, tmp_path: Path
 
 
 def bad_jsonl(tmp_path: Path, bad_line: int, text: str) -> Path:
-    lines = [json.dumps({"id": i, "prompt": f"p{i}"}) for i in range(60)]
+    m = [{"role": "user", "content": "hi"}]
+    lines = [json.dumps({"id": i, "prompt": f"p{i}", "m": m}) for i in range(60)]
     lines.insert(10, "")  # blank lines are skipped, and counted
     lines[bad_line - 1] = text
     path = tmp_path / "bad.jsonl"
@@ -162,6 +163,11 @@ def bad_jsonl(tmp_path: Path, bad_line: int, text: str) -> Path:
         (50, '{"id": "fifty", "prompt": "p"}', "field 'id' is a JSON string, but a number"),
         (2, "[1, 2]", "is not a JSON object"),
         (44, '{"id": 43, "prompt": ["a"]}', "field 'prompt' is a JSON array, but a string"),
+        (
+            45,
+            '{"id": 44, "prompt": "p", "m": [{"role": "user", "content": [1]}]}',
+            "field 'm[].content' is a JSON array, but a string",
+        ),
     ],
 )
 def test_malformed_jsonl_line_is_named(
