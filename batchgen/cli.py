@@ -1,4 +1,4 @@
-"""The ``batchgen`` command: run, validate, status.
+"""The ``batchgen`` command: run, run-batch, validate, status.
 
 A view only: parse the command line, load the job, call the runner, and map what comes back to
 SPEC's exit codes:
@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import click
 
 from batchgen.errors import BatchgenError, OutputFullError
-from batchgen.job import load_job
+from batchgen.job import Job, apply_override, load_job, parse_job
 from batchgen.signals import EXIT_INTERRUPTED, Interrupted, exit_at_once
 
 EXIT_INTERNAL = 1
@@ -196,6 +196,60 @@ def validate(job_file: Path, overrides: tuple[str, ...]) -> None:
     with _ErrorGuard():
         job = load_job(job_file, overrides)
         click.echo(_runner().validate(job))
+
+
+def batch_parts_folder(out: Path) -> Path:
+    """The results folder of ``run-batch IN OUT``: OUT's name without its extension plus
+    ``.parts``, next to OUT (``out.jsonl`` -> ``out.parts/``)."""
+    return out.with_name(f"{out.stem if out.suffix else out.name}.parts")
+
+
+def batch_job(
+    input_file: Path, output_file: Path, model: str, overrides: tuple[str, ...]
+) -> tuple[Job, Path]:
+    """The job of ``run-batch``: an ``openai_batch`` input, the results next to ``output_file``;
+    ``--set`` overrides as for ``run``. Returns the job and the output JSONL's path."""
+    out = output_file.absolute()
+    raw: dict[str, Any] = {
+        # a model folder that exists is made absolute; anything else is left as given
+        "model": str(Path(model).absolute()) if Path(model).exists() else model,
+        "input": {"path": str(input_file.absolute()), "format": "openai_batch"},
+        "output": {"path": str(batch_parts_folder(out))},
+    }
+    for override in overrides:
+        raw = apply_override(raw, override)
+    return parse_job(raw, source="run-batch"), out
+
+
+@main.command("run-batch")
+@click.argument("input_file", metavar="IN", type=click.Path(path_type=Path))
+@click.argument("output_file", metavar="OUT", type=click.Path(path_type=Path))
+@click.option("--model", "-m", required=True, help="The model folder.")
+@_set_option
+@click.option("--fresh", is_flag=True, help="Delete earlier results first.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def run_batch(
+    input_file: Path,
+    output_file: Path,
+    model: str,
+    overrides: tuple[str, ...],
+    fresh: bool,
+    quiet: bool,
+) -> None:
+    """Run an OpenAI Batch API input file IN; write the batch output JSONL OUT.
+
+    The Parquet results go to a folder next to OUT (OUT's name with ``.parts`` for its
+    extension); run the same command again to resume. OUT is written when every request ran.
+
+    \b
+    Example:
+      batchgen run-batch requests.jsonl results.jsonl --model models/tiny-llama
+      batchgen run-batch requests.jsonl results.jsonl -m models/tiny-llama --set sampling.seed=1
+    """
+    with _ErrorGuard() as guard, exit_at_once():
+        job, out = batch_job(input_file, output_file, model, overrides)
+        guard.log_dir = job.output.path
+        _runner().run(job, fresh=fresh, quiet=quiet, batch_output=out)
 
 
 @main.command()

@@ -1,4 +1,6 @@
-"""Parquet in: resolve the input files, check their columns and ids, stream rows in windows.
+"""Rows in: resolve the input files (Parquet, JSON Lines, CSV, Arrow IPC, a ``datasets``
+folder: :mod:`batchgen.formats`; OpenAI batch files: :mod:`batchgen.openai_batch`), check their
+columns and ids, stream rows in windows.
 
 The dataset is never held in memory whole: construction reads the files' metadata and the id
 column only (to prove ids unique); :meth:`InputDataset.iter_windows` streams record batches of
@@ -12,17 +14,18 @@ import glob
 import hashlib
 import json
 import os
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchgen.errors import InputError
+from batchgen.formats import EXTENSIONS, TABULAR_FORMATS, InputFile, format_of, open_input_file
 from batchgen.job import InputConfig
+from batchgen.openai_batch import OpenAIBatchInput
 from batchgen.schema import RESULT_COLUMNS
 
 _GLOB_CHARS = frozenset("*?[")
@@ -40,6 +43,9 @@ class InputRow:
     ``problem`` says why the row cannot be used as read (a value that is not valid UTF-8; that
     value is None); the runner turns such a row into ``error`` samples. ``schema`` is the row's
     value of ``schema_column`` as read (a JSON string, a mapping from a struct, or None).
+    ``sampling``: the row's sampling overrides, sampling key -> value (non-null values of
+    ``sampling_columns``, or an OpenAI batch line's body fields), as read until
+    :class:`~batchgen.prompts.PromptEncoder` checked them, then normalized (None: none).
     """
 
     id: int | str
@@ -48,28 +54,102 @@ class InputRow:
     keep: dict[str, Any]
     problem: str | None = None
     schema: Any = None
+    sampling: Mapping[str, Any] | None = None
+
+    def num_samples(self, default: int) -> int:
+        """The row's ``n``: its override once checked (see :mod:`batchgen.prompts`), else the
+        job's ``default``."""
+        n = (self.sampling or {}).get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else default
 
 
-def resolve_input_files(spec: str) -> list[Path]:
-    """A Parquet file, a folder (its ``*.parquet`` files, not recursive, skipping names starting
-    with ``_`` or ``.``), or a glob (``**`` recurses); returned in sorted order."""
+def _datasets_folder_files(path: Path) -> list[Path] | None:
+    """The arrow files of a ``datasets.Dataset.save_to_disk`` folder, in its order (None: the
+    folder is not one)."""
+    state = path / "state.json"
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise InputError(
+            f"input folder {path} holds a DatasetDict (splits: {', '.join(splits) or 'none'}); "
+            "set input.path to one split's folder"
+        )
+    if not (state.is_file() and (path / "dataset_info.json").is_file()):
+        return None
+    try:
+        names = [
+            f["filename"] for f in json.loads(state.read_text(encoding="utf-8"))["_data_files"]
+        ]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"input folder {path}: cannot read state.json ({err})") from None
+    files = [path / n for n in names]
+    missing = [f for f in files if not f.is_file()]
+    if missing or not files:
+        raise InputError(
+            f"input folder {path}: state.json lists {missing[0].name if missing else 'no files'}"
+            f"{' which is missing' if missing else ''}"
+        )
+    return files
+
+
+def _format_of(file: Path, given: str) -> str:
+    if given != "auto":
+        return given
+    fmt = format_of(file)
+    if fmt is None:
+        raise InputError(
+            f"cannot tell the format of input file {file} from its extension; set input.format "
+            f"({', '.join(TABULAR_FORMATS)} or openai_batch)"
+        )
+    return fmt
+
+
+def resolve_input_files(spec: str, fmt: str = "auto") -> list[Path]:
+    """The input files of :func:`resolve_inputs`, without their formats."""
+    return [path for path, _ in resolve_inputs(spec, fmt)]
+
+
+def resolve_inputs(spec: str, fmt: str = "auto") -> list[tuple[Path, str]]:
+    """The input files and the format of each: a file; a folder (a ``save_to_disk`` folder's
+    arrow files, or its files of the format, not recursive, skipping names starting with ``_``
+    or ``.``; with ``auto`` the files of a known extension, all of one format); or a glob
+    (``**`` recurses). In sorted order, but a ``save_to_disk`` folder's in its own."""
     path = Path(spec)
     if path.is_file():
-        return [path]
+        return [(path, _format_of(path, fmt))]
     if path.is_dir():
-        files = sorted(
+        arrow = _datasets_folder_files(path) if fmt in ("auto", "arrow") else None
+        if arrow is not None:
+            return [(f, "arrow") for f in arrow]
+        named = sorted(
             p
             for p in path.iterdir()
-            if p.suffix == ".parquet" and p.is_file() and not p.name.startswith(("_", "."))
+            if p.is_file() and not p.name.startswith(("_", ".")) and format_of(p) is not None
         )
+        want = "jsonl" if fmt == "openai_batch" else fmt
+        if want != "auto":
+            files = [(p, fmt) for p in named if format_of(p) == want]
+        else:
+            files = [(p, _format_of(p, "auto")) for p in named]
+            kinds = sorted({f for _, f in files})
+            if len(kinds) > 1:
+                raise InputError(
+                    f"input folder {path} holds files of several formats ({', '.join(kinds)}); "
+                    "set input.format or use a glob"
+                )
         if not files:
-            raise InputError(f"input folder {path} holds no *.parquet files")
+            first = "parquet" if want == "auto" else want
+            exts = [e for e, f in EXTENSIONS.items() if f == first][: 1 if want == "auto" else None]
+            others = [e for e in EXTENSIONS if want == "auto" and e not in exts]
+            nor = f" nor {', '.join('*' + e for e in others)} files" if others else ""
+            raise InputError(
+                f"input folder {path} holds no {', '.join('*' + e for e in exts)} files{nor}"
+            )
         return files
     if _GLOB_CHARS & set(spec):
-        files = sorted(Path(m) for m in glob.glob(spec, recursive=True) if os.path.isfile(m))
-        if not files:
+        matched = sorted(Path(m) for m in glob.glob(spec, recursive=True) if os.path.isfile(m))
+        if not matched:
             raise InputError(f"input.path {spec} matches no files")
-        return files
+        return [(m, _format_of(m, fmt)) for m in matched]
     raise InputError(f"input.path {spec} does not exist")
 
 
@@ -116,34 +196,40 @@ class InputDataset:
 
     def __init__(self, cfg: InputConfig) -> None:
         self.cfg = cfg
-        self.files = resolve_input_files(cfg.path)
+        inputs = resolve_inputs(cfg.path, cfg.format)
+        self.files = [path for path, _ in inputs]
         clash = [c for c in cfg.keep_columns if c in RESULT_COLUMNS]
         if clash:
             raise InputError(
                 f"input.keep_columns: {', '.join(repr(c) for c in clash)} would collide with "
                 "an output column of the same name"
             )
+        if cfg.format == "openai_batch":
+            self.batch = OpenAIBatchInput(self.files)
+            self.num_rows = self.batch.num_rows
+            self.identity = self.batch.identity
+            self.id_type = pa.string()
+            self.keep_fields: list[pa.Field] = []
+            return
+        self.batch = None
+        text = [c for c in (cfg.prompt_column, cfg.schema_column) if c is not None]
+        self.readers: list[InputFile] = [open_input_file(p, f, text) for p, f in inputs]
         schemas: list[pa.Schema] = []
         identity: list[Any] = []
         self.num_rows = 0
-        for file in self.files:
-            try:
-                meta = pq.read_metadata(file)
-                schema = meta.schema.to_arrow_schema()
-            except (OSError, pa.ArrowException) as err:
-                raise InputError(f"input file {file} is not a Parquet file ({err})") from None
+        for reader, (file, fmt) in zip(self.readers, inputs, strict=True):
+            schema, rows = reader.scan()
             stat = file.stat()
             schemas.append(schema)
-            self.num_rows += meta.num_rows
-            identity.append(
-                [
-                    str(file.resolve()),
-                    stat.st_size,
-                    stat.st_mtime_ns,
-                    meta.num_rows,
-                    schema.remove_metadata().to_string(),
-                ]
-            )
+            self.num_rows += rows
+            entry = [
+                str(file.resolve()),
+                stat.st_size,
+                stat.st_mtime_ns,
+                rows,
+                schema.remove_metadata().to_string(),
+            ]
+            identity.append(entry if fmt == "parquet" else [*entry, fmt])
         self.identity = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]
         self.id_type = self._check_columns(schemas)
         self.keep_fields = [schemas[0].field(c) for c in cfg.keep_columns]
@@ -208,6 +294,8 @@ class InputDataset:
                         f"{self.files[0]} has {id_type} ids"
                     )
                 id_type = kind
+            for key, column in cfg.sampling_columns.items():
+                self._column_type(file, schema, column, f"sampling_columns.{key}")
             for column in cfg.keep_columns:
                 t = self._column_type(file, schema, column, "keep_columns")
                 first = schemas[0].field(column).type
@@ -223,29 +311,24 @@ class InputDataset:
         column = self.cfg.id_column
         assert column is not None
         chunks: list[pa.Array] = []
-        for file in self.files:
-            try:
-                with open(file, "rb") as fh:
-                    for batch in pq.ParquetFile(fh).iter_batches(
-                        batch_size=_ID_SCAN_BATCH, columns=[column]
-                    ):
-                        ids = batch.column(0)
-                        if ids.null_count:
-                            raise InputError(
-                                f"input file {file}: id column {column!r} has "
-                                f"{ids.null_count} null value(s)"
-                            )
-                        if _is_string(ids.type):
-                            try:
-                                ids.validate(full=True)
-                            except pa.ArrowInvalid:
-                                raise InputError(
-                                    f"input file {file}: id column {column!r} holds a value "
-                                    "that is not valid UTF-8"
-                                ) from None
-                        chunks.append(ids.cast(self.id_type))
-            except (OSError, pa.ArrowException) as err:
-                raise InputError(f"cannot read input file {file}: {err}") from None
+        for reader in self.readers:
+            file = reader.path
+            for batch in reader.batches([column], _ID_SCAN_BATCH):
+                ids = batch.column(0)
+                if ids.null_count:
+                    raise InputError(
+                        f"input file {file}: id column {column!r} has "
+                        f"{ids.null_count} null value(s)"
+                    )
+                if _is_string(ids.type):
+                    try:
+                        ids.validate(full=True)
+                    except pa.ArrowInvalid:
+                        raise InputError(
+                            f"input file {file}: id column {column!r} holds a value "
+                            "that is not valid UTF-8"
+                        ) from None
+                chunks.append(ids.cast(self.id_type))
         ids = pa.chunked_array(chunks, type=self.id_type)
         if pc.count_distinct(ids).as_py() == len(ids):
             return
@@ -265,6 +348,7 @@ class InputDataset:
             cfg.prompt_column,
             cfg.messages_column,
             cfg.schema_column,
+            *cfg.sampling_columns.values(),
             *cfg.keep_columns,
         ]
         return list(dict.fromkeys(c for c in wanted if c is not None))
@@ -280,26 +364,34 @@ class InputDataset:
         """
         if window_rows < 1:
             raise ValueError("window_rows must be at least 1")
-        columns = self._columns()
         window: list[InputRow] = []
-        position = 0
-        for file in self.files:
-            try:
-                with open(file, "rb") as fh:
-                    batches = pq.ParquetFile(fh).iter_batches(
-                        batch_size=min(window_rows, _ID_SCAN_BATCH), columns=columns
-                    )
-                    for batch in batches:
-                        for row in self._rows_of(batch, position, skip_ids):
-                            window.append(row)
-                            if len(window) == window_rows:
-                                yield window
-                                window = []
-                        position += batch.num_rows
-            except (OSError, pa.ArrowException) as err:
-                raise InputError(f"cannot read input file {file}: {err}") from None
+        for row in self._rows(window_rows, skip_ids):
+            window.append(row)
+            if len(window) == window_rows:
+                yield window
+                window = []
         if window:
             yield window
+
+    def _rows(self, window_rows: int, skip_ids: Container[Any]) -> Iterator[InputRow]:
+        if self.batch is not None:
+            for req in self.batch.rows(skip_ids):
+                yield InputRow(
+                    id=req.custom_id,
+                    prompt=req.prompt,
+                    messages=req.messages,  # type: ignore[arg-type]
+                    keep={},
+                    problem=req.problem,
+                    schema=req.schema,
+                    sampling=req.sampling or None,
+                )
+            return
+        columns = self._columns()
+        position = 0
+        for reader in self.readers:
+            for batch in reader.batches(columns, min(window_rows, _ID_SCAN_BATCH)):
+                yield from self._rows_of(batch, position, skip_ids)
+                position += batch.num_rows
 
     def _rows_of(
         self, batch: pa.RecordBatch, start: int, skip_ids: Container[Any]
@@ -332,10 +424,12 @@ class InputDataset:
         messages = values(cfg.messages_column)
         schemas = values(cfg.schema_column)
         keep = {c: values(c) for c in cfg.keep_columns}
+        sampling = {k: values(c) for k, c in cfg.sampling_columns.items()}
         for i in range(n):
             row_id = ids[i]
             if row_id in skip_ids:
                 continue
+            overrides = {k: vals[i] for k, vals in sampling.items() if vals[i] is not None}
             yield InputRow(
                 id=row_id,
                 prompt=prompts[i],
@@ -343,6 +437,7 @@ class InputDataset:
                 keep={c: vals[i] for c, vals in keep.items()},
                 problem=problems.get(i),
                 schema=schemas[i],
+                sampling=overrides or None,
             )
 
 
@@ -354,4 +449,4 @@ def _messages(value: list[Any] | None) -> list[dict[str, Any] | None] | None:
     ]
 
 
-__all__ = ["InputDataset", "InputRow", "resolve_input_files"]
+__all__ = ["InputDataset", "InputRow", "resolve_input_files", "resolve_inputs"]

@@ -56,6 +56,8 @@ def fingerprint(
     }
     if job.input.schema_column is not None:  # absent otherwise: older folders keep resuming
         columns["schema_column"] = job.input.schema_column
+    if job.input.sampling_columns:  # the format of each file is in input_identity
+        columns["sampling_columns"] = dict(sorted(job.input.sampling_columns.items()))
     fp = {
         "model": _digest(model_identity),
         "input": _digest({"identity": input_identity, "columns": columns}),

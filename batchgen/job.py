@@ -135,12 +135,45 @@ class _Section(BaseModel):
 # --------------------------------------------------------------------------- the schema
 
 
+# Sampling keys a row may override (input.sampling_columns). Not logprobs (it decides the output
+# columns) nor structured (input.schema_column is the per-row constraint).
+ROW_SAMPLING_KEYS: tuple[str, ...] = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "seed",
+)
+# Input keys an OpenAI batch file decides itself.
+OPENAI_BATCH_FIXED = (
+    "prompt_column",
+    "messages_column",
+    "id_column",
+    "keep_columns",
+    "schema_column",
+    "sampling_columns",
+)
+
+
 class InputConfig(_Section):
     """``input:``: where the rows come from.
 
     Exactly one of ``prompt_column`` and ``messages_column`` is set. ``prompt_column`` defaults
     to ``"prompt"`` unless ``messages_column`` is given. ``path`` is a string, not a Path,
     because it may be a glob; after :func:`load_job` it is absolute.
+
+    ``format``: ``auto`` reads the format from the file extensions (or a folder's files);
+    ``openai_batch`` reads OpenAI Batch API request lines and fixes the column keys itself (giving
+    one is an error). ``sampling_columns`` maps a key of :data:`ROW_SAMPLING_KEYS` to the input
+    column whose non-null values override it for their row.
 
     Extension (not in SPEC): ``window_rows``, the number of rows read, tokenized and ordered by
     shared prefix together. Larger windows find more shared prefixes and hold more rows in
@@ -154,6 +187,10 @@ class InputConfig(_Section):
     keep_columns: StrList = ()
     # a JSON schema per row (a JSON string, or a struct read as a mapping): structured output
     schema_column: str | None = Field(default=None, min_length=1)
+    # auto: from the extension (a folder: from its files); openai_batch: OpenAI Batch API lines
+    format: Literal["auto", "parquet", "jsonl", "csv", "arrow", "openai_batch"] = "auto"
+    # sampling key -> input column whose non-null values override it per row
+    sampling_columns: dict[str, Annotated[str, Field(min_length=1)]] = Field(default_factory=dict)
     window_rows: int = Field(default=10000, ge=1)
 
     @model_validator(mode="before")
@@ -164,6 +201,21 @@ class InputConfig(_Section):
             data = {"prompt_column": None, **data}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_batch_columns(cls, data: Any) -> Any:
+        # An OpenAI batch file fixes its columns: custom_id is the id, the body the prompt,
+        # the sampling settings and the schema (batchgen.openai_batch).
+        if isinstance(data, Mapping) and data.get("format") == "openai_batch":
+            given = [k for k in OPENAI_BATCH_FIXED if k in data]
+            if given:
+                raise ValueError(
+                    f"input.{given[0]} does not apply to format openai_batch (custom_id is the "
+                    "id; each line's body holds the prompt and its sampling settings)"
+                )
+            data = {**data, "id_column": "custom_id", "schema_column": "response_format"}
+        return data
+
     @model_validator(mode="after")
     def _exactly_one_prompt_source(self) -> InputConfig:
         if self.prompt_column is not None and self.messages_column is not None:
@@ -172,6 +224,12 @@ class InputConfig(_Section):
             raise ValueError("set one of prompt_column and messages_column")
         if len(set(self.keep_columns)) != len(self.keep_columns):
             raise ValueError("keep_columns lists a column twice")
+        unknown = [k for k in self.sampling_columns if k not in ROW_SAMPLING_KEYS]
+        if unknown:
+            raise ValueError(
+                f"sampling_columns: {unknown[0]!r} cannot be set per row (per-row keys: "
+                f"{', '.join(ROW_SAMPLING_KEYS)})"
+            )
         return self
 
 
@@ -562,6 +620,8 @@ def _format_error(err: Mapping[str, Any]) -> str:
 __all__ = [
     "EngineConfig",
     "ExecutorConfig",
+    "OPENAI_BATCH_FIXED",
+    "ROW_SAMPLING_KEYS",
     "InputConfig",
     "Job",
     "OutputConfig",

@@ -1,20 +1,25 @@
 """Input rows -> prompt token ids: plain prompts tokenized as they are, or chat messages
 rendered with the tokenizer's chat template. A row that cannot become a prompt (null or empty,
 malformed messages, a template or tokenizer that rejects it) gets the reason as its problem; it
-becomes ``n`` error rows and the job goes on.
+becomes ``n`` error rows and the job goes on. A row's sampling overrides
+(``input.sampling_columns``, an OpenAI batch line's body) are checked here too: a bad value is the
+row's problem, named by its column.
 
 Prompt length against ``max_model_len`` is checked later, by the executor that knows its KV cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
+from pydantic import ValidationError
+
 from batchgen.dataset import InputRow
+from batchgen.engine.request import SamplingParams
 from batchgen.errors import JobError, ModelError
-from batchgen.job import Job
+from batchgen.job import ROW_SAMPLING_KEYS, Job, SamplingConfig
 from batchgen.model.config import ModelInfo
 from batchgen.structured import RowSchemaError, StructuredOutputs
 
@@ -62,8 +67,37 @@ class PromptEncoder:
         self.job = job
         self.tokenizer = tokenizer
         self.structured = structured
+        # OpenAI batch lines: chat (messages) or completions (prompt), line by line
+        self.batch_file = job.input.format == "openai_batch"
+        self.sampling_labels = {
+            key: f"body.{key}" if self.batch_file else f"input column {column!r} (sampling.{key})"
+            for key, column in (
+                {k: k for k in ROW_SAMPLING_KEYS} if self.batch_file else job.input.sampling_columns
+            ).items()
+        }
+
+    def _checked_sampling(self, row: InputRow) -> InputRow:
+        """The row with its sampling overrides checked (as ``sampling:`` checks the job's) and
+        normalized; a bad value makes the row's problem (unless it has one) and drops them, but
+        for a good ``n``."""
+        if not row.sampling:
+            return row
+        try:
+            normalized = row_sampling(row.sampling, self.sampling_labels)
+        except RowProblem as problem:
+            # Its error rows follow the row's n when that value is good, else the job's.
+            try:
+                n = row_sampling({"n": row.sampling["n"]}, {}) if "n" in row.sampling else None
+            except RowProblem:
+                n = None
+            return replace(row, sampling=n, problem=row.problem or str(problem))
+        return replace(row, sampling=normalized)
 
     def encode(self, rows: list[InputRow]) -> list[EncodedRow]:
+        """Each row with its tokens, or with the problem that keeps it from running. The rows
+        handed back carry their sampling overrides checked and normalized (when a value was
+        bad, only a good ``n`` is kept: the row's error rows follow it, else the job's)."""
+        rows = [self._checked_sampling(r) for r in rows]
         out: list[EncodedRow] = []
         plain = [r for r in rows if r.messages is None and r.prompt]
         encoded: dict[int, list[int]] = {}
@@ -82,6 +116,8 @@ class PromptEncoder:
                     raise RowProblem(r.problem)
                 if self.job.input.messages_column is not None:
                     tokens = self._render_messages(r, column)
+                elif self.batch_file and r.messages is not None:
+                    tokens = self._render_messages(r, "body.messages")
                 elif r.prompt is None:
                     raise RowProblem(f"{column} is null")
                 elif r.prompt == "":
@@ -132,6 +168,41 @@ class PromptEncoder:
         except Exception as e:  # noqa: BLE001 - a template that rejects the row (raise_exception)
             raise RowProblem.of(f"the chat template cannot render {column}", e) from e
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+_INT_KEYS = ("n", "max_tokens", "top_k", "seed")
+
+
+def row_sampling(overrides: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, Any]:
+    """A row's sampling overrides checked with the rules of the job file's ``sampling:`` and
+    normalized (lists become tuples); raises RowProblem naming the value's source
+    (``labels[key]``). Integral floats are accepted for integer keys (a JSON or CSV column of
+    mixed numbers reads as float)."""
+    values = dict(overrides)
+    for key in _INT_KEYS:
+        value = values.get(key)
+        if isinstance(value, float) and value.is_integer():
+            values[key] = int(value)
+    try:
+        checked = SamplingConfig.model_validate(values)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = str(first["loc"][0]) if first["loc"] else next(iter(values))
+        label = labels.get(key, key)
+        msg = str(first["msg"]).removeprefix("Value error, ")
+        for lead in ("Input should", "String should", "Tuple should", "List should"):
+            msg = msg.replace(lead, "must")
+        msg = msg.replace("a valid tuple", "a list")
+        raise RowProblem(f"{label}: {msg} (got {values.get(key)!r})") from None
+    return {key: getattr(checked, key) for key in values}
+
+
+def row_params(base: SamplingParams, row: InputRow) -> SamplingParams:
+    """The sampling parameters of a row: ``base`` (the job's) with the row's checked
+    overrides."""
+    if not row.sampling:
+        return base
+    return replace(base, **row.sampling)
 
 
 def check_job_against_model(job: Job, info: ModelInfo, tokenizer: Any) -> None:

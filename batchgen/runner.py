@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from batchgen.fingerprint import describe_fingerprint_mismatch, fingerprint
 from batchgen.job import Job
 from batchgen.model.config import read_model_info
 from batchgen.model.loader import check_model, load_tokenizer, model_identity
+from batchgen.openai_batch import write_batch_output
 from batchgen.plan import (
     describe_engine,
     describe_executor,
@@ -31,11 +33,13 @@ from batchgen.plan import (
     sampling_params,
 )
 from batchgen.prompts import PromptEncoder, check_job_against_model
-from batchgen.results import OutputFolder, inspect_folder
+from batchgen.results import OutputFolder, inspect_folder, read_manifest
 from batchgen.schema import RowGroup, Totals, error_rows, output_schema
 from batchgen.signals import GracefulStop, Interrupted
 from batchgen.status import read_status
 from batchgen.structured import StructuredOutputs
+
+BATCH_OUTPUT_NAME = "_batch_output.jsonl"
 
 # -- validate / status ----------------------------------------------------------------------------
 
@@ -59,8 +63,13 @@ def validate(job: Job) -> str:
         f"model:    {job.model} ({info.architecture}, {info.num_layers} layers, "
         f"{info.num_heads} heads / {info.num_kv_heads} KV heads, head_dim {info.head_dim})",
         f"input:    {dataset.num_rows} rows from {job.input.path}",
-        f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
-        f"max_tokens={job.sampling.max_tokens})",
+        (
+            f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
+            f"max_tokens={job.sampling.max_tokens})"
+            if not _per_row_sampling(job)
+            else f"samples:  n={job.sampling.n}, max_tokens={job.sampling.max_tokens}, "
+            "unless a row sets its own"
+        ),
         f"output:   {job.output.path} ({output})",
     ]
     if job.executor.kind == "ray":
@@ -75,6 +84,10 @@ def validate(job: Job) -> str:
     lines += describe_engine(job, info, resolve_placement(job))
     lines.append(describe_executor(job))
     return "\n".join(lines)
+
+
+def _per_row_sampling(job: Job) -> bool:
+    return bool(job.input.sampling_columns) or job.input.format == "openai_batch"
 
 
 def status(path: str | Path) -> str:
@@ -108,9 +121,18 @@ class JobRun:
     """One ``batchgen run``: the output folder and its writer, the totals, the executor, and
     the loop that joins them."""
 
-    def __init__(self, job: Job, fresh: bool, quiet: bool) -> None:
+    def __init__(
+        self, job: Job, fresh: bool, quiet: bool, batch_output: Path | None = None
+    ) -> None:
+        """``batch_output``: where an OpenAI batch job writes its output JSONL (default:
+        :func:`default_batch_output`)."""
         self.job = job
         self.quiet = quiet
+        self.batch_output = (
+            (batch_output or default_batch_output(job))
+            if job.input.format == "openai_batch"
+            else None
+        )
         info = read_model_info(job.model)
         self.dataset = InputDataset(job.input)
         self.executor: Executor | None = None
@@ -146,6 +168,9 @@ class JobRun:
         self.nothing_to_do = len(self.done_ids) >= self.dataset.num_rows
         if self.nothing_to_do:
             return
+        if self.batch_output is not None:
+            # It exists only for a finished job: it is written again when this run finishes.
+            self.batch_output.unlink(missing_ok=True)
         self.encoder = PromptEncoder(job, self.tokenizer, self.structured)
         self.params = sampling_params(job)
         schema = output_schema(self.dataset.id_type, self.dataset.keep_fields, self.params.logprobs)
@@ -189,6 +214,8 @@ class JobRun:
         try:
             with GracefulStop() as signals:
                 report = self._nothing_to_do() if self.nothing_to_do else self._generate(signals)
+                if report["finished"] and self.batch_output is not None:
+                    self._write_batch_output(self.batch_output)
         finally:
             self._close_executor()
             self.folder.close()
@@ -199,6 +226,23 @@ class JobRun:
                 signals.received,
             )
         return report
+
+    def _write_batch_output(self, out: Path) -> None:
+        """The OpenAI batch output JSONL, from the committed results (so resumes do not show)."""
+        assert self.dataset.batch is not None
+        manifest = read_manifest(self.folder.path) or {}
+        created = datetime.strptime(
+            manifest.get("created_at") or "1970-01-01T00:00:00.0Z", "%Y-%m-%dT%H:%M:%S.%fZ"
+        ).replace(tzinfo=timezone.utc)
+        lines = write_batch_output(
+            self.dataset.batch,
+            self.folder.path,
+            out,
+            Path(self.job.model).name,
+            int(created.timestamp()),
+        )
+        if not self.quiet:
+            print(f"batchgen: wrote {lines} OpenAI batch output lines to {out}", file=sys.stderr)
 
     def _nothing_to_do(self) -> dict[str, Any]:
         """Every row is committed already: mark the folder finished (a run killed after its last
@@ -275,7 +319,8 @@ class JobRun:
         return False
 
     def _error_rows(self, row: Any, problem: str) -> RowGroup:
-        return error_rows(row.id, row.keep, problem, self.params.n, self.params.logprobs)
+        n = row.num_samples(self.params.n)
+        return error_rows(row.id, row.keep, problem, n, self.params.logprobs)
 
     def _add(self, group: RowGroup) -> None:
         """Buffer one finished input row for the next commit."""
@@ -328,5 +373,13 @@ class JobRun:
         )
 
 
-def run(job: Job, fresh: bool = False, quiet: bool = False) -> dict[str, Any]:
-    return JobRun(job, fresh, quiet).run()
+def default_batch_output(job: Job) -> Path:
+    """Where ``run`` writes an OpenAI batch job's output JSONL: ``_batch_output.jsonl`` in the
+    output folder (``_``: Parquet readers of the folder skip it)."""
+    return Path(job.output.path) / BATCH_OUTPUT_NAME
+
+
+def run(
+    job: Job, fresh: bool = False, quiet: bool = False, batch_output: Path | None = None
+) -> dict[str, Any]:
+    return JobRun(job, fresh, quiet, batch_output).run()

@@ -45,6 +45,8 @@ SPEC_INPUT = {
     "id_column": "id",
     "keep_columns": (),
     "schema_column": None,
+    "format": "auto",
+    "sampling_columns": {},
     "window_rows": 10000,
 }
 SPEC_OUTPUT = {"commit_rows": 1000, "commit_seconds": 5.0}

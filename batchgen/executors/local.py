@@ -18,7 +18,13 @@ from typing import Any
 from batchgen.dataset import InputRow
 from batchgen.engine.engine import Engine
 from batchgen.engine.noise import rng_key
-from batchgen.engine.request import FinishReason, Request, SampleResult, SampleTarget
+from batchgen.engine.request import (
+    FinishReason,
+    Request,
+    SampleResult,
+    SampleTarget,
+    SamplingParams,
+)
 from batchgen.fingerprint import numerics
 from batchgen.host_memory import keep_freed_memory
 from batchgen.job import Job
@@ -33,7 +39,7 @@ from batchgen.plan import (
     plan_num_blocks,
     sampling_params,
 )
-from batchgen.prompts import EncodedRow
+from batchgen.prompts import EncodedRow, row_params
 from batchgen.schema import RowGroup, error_rows, sample_row
 from batchgen.structured import CompiledGrammar, RowSchemaError, StructuredOutputs
 
@@ -45,6 +51,7 @@ class PendingRow:
     row: InputRow
     num_prompt_tokens: int
     samples: list[SampleResult | None]
+    params: SamplingParams  # the row's (the job's, with the row's overrides)
 
 
 class RowGenerator:
@@ -88,7 +95,7 @@ class RowGenerator:
             engine_config(job, place, num_blocks, self.max_model_len),
             device=place.device,
             dtype=place.dtype,
-            detokenize=self._decode if self.params.stop else None,
+            detokenize=self._decode if self.params.stop or _stop_per_row(job) else None,
         )
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -118,12 +125,11 @@ class RowGenerator:
 
     def feed(self, encoded: Sequence[EncodedRow]) -> list[RowGroup]:
         """Queue rows: the rest become requests in depth-first trie order, identical prompts
-        (with the same constraint) folded into one request. Returns the error groups of rows that
-        cannot run."""
+        (with the same constraint and the same sampling parameters) folded into one request.
+        Returns the error groups of rows that cannot run."""
         errors: list[RowGroup] = []
-        groups: dict[tuple[tuple[int, ...], str], list[SampleTarget]] = {}
+        groups: dict[tuple[tuple[int, ...], str, SamplingParams], list[SampleTarget]] = {}
         grammars: dict[str, CompiledGrammar | None] = {}
-        n = self.params.n
         for item in encoded:
             row, tokens = item.row, item.tokens
             handle = self.next_handle
@@ -141,13 +147,15 @@ class RowGenerator:
                 except RowSchemaError as err:  # a worker's own compile of the row's schema
                     errors.append(self._error_rows(row, str(err)))
                     continue
-            self.pending[handle] = PendingRow(row, len(tokens), [None] * n)
-            targets = groups.setdefault((tuple(tokens), key), [])
-            for k in range(n):
-                targets.append(SampleTarget(handle, k, rng_key(self.params.seed, row.id, k)))
-        for tokens, key in sorted(groups):
-            targets = tuple(groups[tokens, key])
-            self.engine.add(Request(tokens, self.params, targets, grammar=grammars[key]))
+            params = row_params(self.params, row)
+            self.pending[handle] = PendingRow(row, len(tokens), [None] * params.n, params)
+            targets = groups.setdefault((tuple(tokens), key, params), [])
+            for k in range(params.n):
+                targets.append(SampleTarget(handle, k, rng_key(params.seed, row.id, k)))
+        # Trie order of the prompts; the parameters' text only orders equal prompts.
+        for tokens, key, params in sorted(groups, key=lambda g: (g[0], g[1], repr(g[2]))):
+            targets = tuple(groups[tokens, key, params])
+            self.engine.add(Request(tokens, params, targets, grammar=grammars[key]))
         return errors
 
     def step(self) -> list[RowGroup]:
@@ -161,16 +169,17 @@ class RowGenerator:
                 done.append(self._group(pending))
         return done
 
-    def _text(self, res: SampleResult) -> str:
+    def _text(self, res: SampleResult, params: SamplingParams) -> str:
         if res.text is not None:
             return res.text
         ids = res.token_ids
-        if res.finish_reason == FinishReason.STOP and ids and ids[-1] in self.params.stop_token_ids:
+        if res.finish_reason == FinishReason.STOP and ids and ids[-1] in params.stop_token_ids:
             ids = ids[:-1]
         return self._decode(ids)
 
     def _error_rows(self, row: InputRow, problem: str) -> RowGroup:
-        return error_rows(row.id, row.keep, problem, self.params.n, self.params.logprobs)
+        n = row.num_samples(self.params.n)
+        return error_rows(row.id, row.keep, problem, n, self.params.logprobs)
 
     def _group(self, pending: PendingRow) -> RowGroup:
         rows = []
@@ -181,7 +190,7 @@ class RowGenerator:
                     pending.row.id,
                     res.target.sample_index,
                     pending.row.keep,
-                    text=self._text(res),
+                    text=self._text(res, pending.params),
                     token_ids=res.token_ids,
                     finish_reason=res.finish_reason.value,
                     num_prompt_tokens=res.num_prompt_tokens,
@@ -222,6 +231,11 @@ class RowGenerator:
             # the C kernels of batchgen.model.cpu_kernels ran (CPU, fp32/bf16, a compiler was found)
             "cpu_kernels": cpu_kernels.for_dtype(self.place.device, self.place.dtype) is not None,
         }
+
+
+def _stop_per_row(job: Job) -> bool:
+    """Whether a row may bring stop strings of its own."""
+    return "stop" in job.input.sampling_columns or job.input.format == "openai_batch"
 
 
 class LocalExecutor:
