@@ -22,9 +22,18 @@ $(DEMO)/model/config.json: | setup
 $(DEMO)/prompts.parquet: | setup
 	$(BIN)/python scripts/make_demo_data.py $(DEMO)
 
-demo: setup $(DEMO)/model/config.json $(DEMO)/prompts.parquet
+$(DEMO)/adder/config.json: | setup
+	$(BIN)/python scripts/demo_adder.py train $(DEMO)/adder
+
+$(DEMO)/adder.parquet: | setup
+	$(BIN)/python scripts/demo_adder.py data $@
+
+# the quick start: train the adder, ask it 200 questions (4 samples each, then greedy), count the
+# right answers; the random model and the other jobs' data are made too (jobs/*.yaml use them)
+demo: setup $(DEMO)/adder/config.json $(DEMO)/adder.parquet $(DEMO)/model/config.json $(DEMO)/prompts.parquet
 	$(BIN)/batchgen run jobs/quickstart.yaml --fresh
-	$(BIN)/python -c "import pyarrow.dataset as ds; t = ds.dataset('out/quickstart').to_table(); print(t.num_rows, 'rows;', 'first:', repr(t.column('text')[0].as_py()[:120]))"
+	$(BIN)/batchgen run jobs/quickstart.yaml --fresh --quiet --set output.path=../out/quickstart-greedy --set sampling.n=1 --set sampling.temperature=0
+	$(BIN)/python scripts/demo_adder.py check out/quickstart out/quickstart-greedy
 
 # `make test`: everything but the tests marked slow (kill-and-resume, Ray clusters, kernel
 # compilation): a few minutes on two cores. `make test-all`: every test; CI (.ci/run) runs it.
