@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import InputError
 from batchgen.job import InputConfig
 from batchgen.schema import RESULT_COLUMNS
+from batchgen.storage import S3_SCHEME, StorageSettings, is_uri, list_object_files
 
 _GLOB_CHARS = frozenset("*?[")
 _ID_SCAN_BATCH = 65536  # rows per batch while scanning the id column
@@ -114,9 +115,15 @@ class InputDataset:
     sizes, mtimes, row counts and schemas: cheap, no data read).
     """
 
-    def __init__(self, cfg: InputConfig) -> None:
+    def __init__(self, cfg: InputConfig, storage: StorageSettings | None = None) -> None:
+        """``storage``: the job's ``storage:`` section, for an ``s3://`` ``input.path``."""
         self.cfg = cfg
-        self.files = resolve_input_files(cfg.path)
+        self._fs: Any = None  # a pyarrow filesystem for s3:// input; None: local files
+        if is_uri(cfg.path):
+            self._fs, keys = list_object_files(cfg.path, storage)
+            self.files: list[Any] = [f"{S3_SCHEME}{k}" for k in keys]
+        else:
+            self.files = resolve_input_files(cfg.path)
         clash = [c for c in cfg.keep_columns if c in RESULT_COLUMNS]
         if clash:
             raise InputError(
@@ -128,18 +135,19 @@ class InputDataset:
         self.num_rows = 0
         for file in self.files:
             try:
-                meta = pq.read_metadata(file)
+                with self._open(file) as fh:
+                    meta = pq.read_metadata(fh)
                 schema = meta.schema.to_arrow_schema()
             except (OSError, pa.ArrowException) as err:
                 raise InputError(f"input file {file} is not a Parquet file ({err})") from None
-            stat = file.stat()
+            size, mtime_ns, where = self._stat(file)
             schemas.append(schema)
             self.num_rows += meta.num_rows
             identity.append(
                 [
-                    str(file.resolve()),
-                    stat.st_size,
-                    stat.st_mtime_ns,
+                    where,
+                    size,
+                    mtime_ns,
                     meta.num_rows,
                     schema.remove_metadata().to_string(),
                 ]
@@ -149,6 +157,20 @@ class InputDataset:
         self.keep_fields = [schemas[0].field(c) for c in cfg.keep_columns]
         if cfg.id_column is not None:
             self._check_ids()
+
+    def _open(self, file: Any) -> Any:
+        """A binary, seekable file for a local Path or an ``s3://`` URI."""
+        if self._fs is None:
+            return open(file, "rb")
+        return self._fs.open_input_file(str(file)[len(S3_SCHEME) :])
+
+    def _stat(self, file: Any) -> tuple[int, int, str]:
+        """Size, modification time (ns) and full name of an input file (its identity)."""
+        if self._fs is None:
+            stat = file.stat()
+            return stat.st_size, stat.st_mtime_ns, str(file.resolve())
+        info = self._fs.get_file_info(str(file)[len(S3_SCHEME) :])
+        return int(info.size or 0), int(info.mtime_ns or 0), str(file)
 
     # -- checks
 
@@ -225,7 +247,7 @@ class InputDataset:
         chunks: list[pa.Array] = []
         for file in self.files:
             try:
-                with open(file, "rb") as fh:
+                with self._open(file) as fh:
                     for batch in pq.ParquetFile(fh).iter_batches(
                         batch_size=_ID_SCAN_BATCH, columns=[column]
                     ):
@@ -285,7 +307,7 @@ class InputDataset:
         position = 0
         for file in self.files:
             try:
-                with open(file, "rb") as fh:
+                with self._open(file) as fh:
                     batches = pq.ParquetFile(fh).iter_batches(
                         batch_size=min(window_rows, _ID_SCAN_BATCH), columns=columns
                     )

@@ -21,6 +21,7 @@ from batchgen.executors import Executor
 from batchgen.fingerprint import describe_fingerprint_mismatch, fingerprint
 from batchgen.job import Job
 from batchgen.model.config import read_model_info
+from batchgen.model.hub import resolve_model
 from batchgen.model.loader import check_model, load_tokenizer, model_identity
 from batchgen.plan import (
     describe_engine,
@@ -43,15 +44,16 @@ from batchgen.structured import StructuredOutputs
 def validate(job: Job) -> str:
     """Check the job as ``run`` would, in the same order, without generating or writing
     anything; return the plan. Raises the same errors ``run`` would raise before it starts."""
+    job = resolve_model(job)  # a hub id -> its folder in the Hugging Face cache
     info = read_model_info(job.model)
-    dataset = InputDataset(job.input)
+    dataset = InputDataset(job.input, job.storage)
     check_model(job.model)  # weights and tokenizer files, from their headers
     text, adopt = job_numerics(job, job.output.path)
     fp = fingerprint(job, model_identity(job.model), dataset.identity, text)
     tokenizer = load_tokenizer(job.model)
     check_job_against_model(job, info, tokenizer)
     StructuredOutputs(job, info, tokenizer)  # the job-level constraint compiles
-    state = inspect_folder(job.output.path, fp, False, adopt)
+    state = inspect_folder(job.output.path, fp, False, adopt, job.storage)
     output = (
         f"resumes: {state.rows_done} of {dataset.num_rows} rows done" if state.manifest else "new"
     )
@@ -78,7 +80,7 @@ def validate(job: Job) -> str:
 
 
 def status(path: str | Path) -> str:
-    return read_status(Path(path))
+    return read_status(path)
 
 
 def _check_ray_installed() -> None:
@@ -109,10 +111,11 @@ class JobRun:
     the loop that joins them."""
 
     def __init__(self, job: Job, fresh: bool, quiet: bool) -> None:
+        job = resolve_model(job)  # a hub id -> its folder in the Hugging Face cache
         self.job = job
         self.quiet = quiet
         info = read_model_info(job.model)
-        self.dataset = InputDataset(job.input)
+        self.dataset = InputDataset(job.input, job.storage)
         self.executor: Executor | None = None
         # Settings that can still fail are checked before the output folder is touched (the
         # number of KV blocks is planned again once the model is loaded and memory is known).
@@ -126,7 +129,7 @@ class JobRun:
         self.tokenizer = load_tokenizer(job.model)
         check_job_against_model(job, info, self.tokenizer)
         self.structured = StructuredOutputs(job, info, self.tokenizer)
-        self.folder = OutputFolder.open(job.output.path, fp, fresh, adopt)
+        self.folder = OutputFolder.open(job.output.path, fp, fresh, adopt, job.storage)
         try:
             self._start(job)
         except BaseException:
