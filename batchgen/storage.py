@@ -342,7 +342,7 @@ class ObjectLease:
             return False
         pid = body.get("pid")
         if body.get("host") == socket.gethostname() and isinstance(pid, int):
-            return pid != os.getpid() and _pid_alive(pid)
+            return _pid_alive(pid)
         return True
 
     def acquire(self) -> None:
