@@ -35,6 +35,7 @@ from batchgen.schema import error_rows, output_schema
 from batchgen.storage import ObjectFolder, s3_filesystem
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import invoke, read_results, refusal, run_cli, write_job, write_job_file
+from tests.ties import compare_samples
 
 pytest.importorskip("moto")
 
@@ -132,8 +133,15 @@ def s3_job(
 
 
 def manifest(s3: Any, sub: str = "out") -> dict[str, Any] | None:
-    raw = ObjectFolder(f"{s3.uri}/{sub}").read_bytes(MANIFEST_NAME)
-    return json.loads(raw) if raw else None
+    """The manifest, read again when it is being replaced: moto (unlike S3, whose PUTs are
+    atomic) can serve an object that a concurrent PUT is still writing."""
+    for _ in range(50):
+        raw = ObjectFolder(f"{s3.uri}/{sub}").read_bytes(MANIFEST_NAME)
+        try:
+            return json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            time.sleep(0.02)
+    raise AssertionError("the manifest stays unreadable")
 
 
 # --------------------------------------------------------------------------- the job file
@@ -364,14 +372,25 @@ def test_sigkill_mid_job_then_resume_on_s3(s3: Any, model: Path, tmp_path: Path)
     keys = Counter((r["id"], r["sample_index"]) for r in got)
     duplicates = sum(c - 1 for c in keys.values())
     assert duplicates == 0
-    assert got == expected
+    # the tokens are the uninterrupted run's (up to near-tie flips between batch shapes, which
+    # SPEC allows), and where they are, so is every column but the prefix-cache count
+    ties = compare_samples(
+        got, expected, model=model, prompts=dict(enumerate(prompts)), sampling=SAMPLING
+    )
+    columns = ("id", "sample_index", "text", "finish_reason", "num_prompt_tokens")
+    assert [
+        (a["id"], a["sample_index"])
+        for a, b in zip(got, expected, strict=True)
+        if a["token_ids"] == b["token_ids"] and any(a[c] != b[c] for c in columns)
+    ] == []
     m = manifest(s3)
     assert m["finished"] and m["totals"]["rows"] == rows
     assert not [n for n in names(s3) if n.startswith(("_staging/", "_lease/"))]
     print(
         f"\n[s3 kill -9] {rows} rows, {len(got)} samples, {kills} kills, "
         f"{m['totals']['parts']} parts, committed rows at the kills {resumed_rows}, "
-        f"duplicates {duplicates}, {elapsed:.1f} s in all; last run: {result.stderr.strip()}"
+        f"duplicates {duplicates}, near-ties {ties.exempt}, {elapsed:.1f} s in all; "
+        f"last run: {result.stderr.strip()}"
     )
     assert kills >= 1
 
