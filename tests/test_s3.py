@@ -344,8 +344,9 @@ def test_sigkill_mid_job_then_resume_on_s3(s3: Any, model: Path, tmp_path: Path)
     job = write_job_file(tmp_path / "s3", data, "s3.yaml")
 
     start_time = time.monotonic()
-    kills, before, resumed_rows = 0, 0, []
-    while kills < 4:
+    kills, in_commit, before, resumed_rows = 0, 0, 0, []
+    store = ObjectFolder(f"{s3.uri}/out")
+    while kills < 6:
         proc = start(job)
         deadline = time.monotonic() + PROC_TIMEOUT
         while proc.poll() is None and time.monotonic() < deadline:
@@ -354,11 +355,18 @@ def test_sigkill_mid_job_then_resume_on_s3(s3: Any, model: Path, tmp_path: Path)
             if done > before:
                 break
             time.sleep(0.05)
+        # every other kill waits for a commit in flight (a staged part exists)
+        staged = False
+        if kills % 2 and proc.poll() is None:
+            until = time.monotonic() + 20
+            while proc.poll() is None and time.monotonic() < until and not staged:
+                staged = any(n.startswith("_staging/") for n in store.list())
         if proc.poll() is not None:
             break  # it finished before a kill landed
         proc.kill()
         proc.communicate()
         kills += 1
+        in_commit += staged
         # readers see committed rows only, never duplicates
         seen = Counter((r["id"], r["sample_index"]) for r in s3_results(s3))
         assert all(c == 1 for c in seen.values())
@@ -387,7 +395,8 @@ def test_sigkill_mid_job_then_resume_on_s3(s3: Any, model: Path, tmp_path: Path)
     assert m["finished"] and m["totals"]["rows"] == rows
     assert not [n for n in names(s3) if n.startswith(("_staging/", "_lease/"))]
     print(
-        f"\n[s3 kill -9] {rows} rows, {len(got)} samples, {kills} kills, "
+        f"\n[s3 kill -9] {rows} rows, {len(got)} samples, {kills} kills "
+        f"({in_commit} with a commit in flight), "
         f"{m['totals']['parts']} parts, committed rows at the kills {resumed_rows}, "
         f"duplicates {duplicates}, near-ties {ties.exempt}, {elapsed:.1f} s in all; "
         f"last run: {result.stderr.strip()}"

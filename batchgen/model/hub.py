@@ -63,7 +63,7 @@ def snapshot_folder(repo_id: str, revision: str | None) -> Path:
     if hub_offline():
         raise ModelError(
             f"{where}, and HF_HUB_OFFLINE is set: download it where the network allows "
-            f"(huggingface-cli download {repo_id} --revision {rev}) or give a local folder"
+            f"(hf download {repo_id} --revision {rev}) or give a local folder"
         )
     try:
         return Path(
