@@ -698,6 +698,11 @@ class ObjectOutputFolder(OutputFolder):
         manifest["next_part"] = number + 1
         manifest["last_commit_at"] = now_iso()
         manifest["finished"] = False
+        if self.store.exists(name):  # only a writer that lost its lease gets here
+            raise JobError(
+                f"output folder {self.path}: {name} exists already: another writer has taken "
+                "the folder over"
+            )
         self._write_manifest(manifest, before_rename=lambda: step("manifest_written"))
         self.store.copy(staged, name)
         step("part_renamed")

@@ -26,6 +26,7 @@ import os
 import re
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -207,9 +208,23 @@ class ObjectFolder:
 
     def list(self) -> dict[str, Any]:
         """Every object under the prefix (recursively): name -> pyarrow FileInfo."""
+        return self.list_prefix("")
+
+    def exists(self, name: str) -> bool:
         from pyarrow import fs as pafs
 
-        selector = pafs.FileSelector(self.root, recursive=True, allow_not_found=True)
+        try:
+            return bool(self.fs.get_file_info(self._full(name)).type == pafs.FileType.File)
+        except OSError as err:
+            raise storage_error(f"cannot read {self.uri}/{name}", err) from None
+
+    def list_prefix(self, sub: str) -> dict[str, Any]:
+        """The objects under ``sub`` (a name prefix ending in ``/``, or ``""``: all), as
+        :meth:`list` gives them."""
+        from pyarrow import fs as pafs
+
+        base = f"{self.root}/{sub.rstrip('/')}" if sub else self.root
+        selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
         try:
             infos = self.fs.get_file_info(selector)
         except OSError as err:
@@ -291,12 +306,14 @@ class ObjectLease:
 
     What it does not guarantee: mutual exclusion against a writer that stops renewing for longer
     than ``ttl`` and then carries on (a paused process or VM, a long network partition). Its
-    lease expires and another writer may take the folder. The holder narrows that window by
-    checking, before each manifest write (:meth:`check`), that its lease is still there and no
-    other live lease exists; a pause between that check and the write is not caught. A stale
-    writer can then overwrite the manifest with its own view: rows committed by the other
-    writer since would drop out of the manifest (and be generated again), but no row is listed
-    twice, since a manifest is only ever written whole by one writer.
+    lease expires and another writer may take the folder. The holder narrows that window: before
+    each manifest write (:meth:`check`) it stops if it has not renewed for ``ttl`` (its own
+    monotonic clock), if its lease object is gone, or if another live lease exists; its renewal
+    thread never re-creates a lease another writer deleted; and a part is never copied over an
+    existing one (results.py). A pause between the check and the write is not caught: the stale
+    writer's manifest may then replace the other's, whose rows since drop out of the manifest
+    (they are generated again, and their part objects deleted, on the next run); a row is never
+    listed twice, since a manifest is only ever written whole by one writer.
     """
 
     def __init__(self, folder: ObjectFolder) -> None:
@@ -307,6 +324,7 @@ class ObjectLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lost: str | None = None
+        self._renewed = time.monotonic()  # when our lease was last written (this machine's clock)
 
     def _body(self) -> bytes:
         return json_bytes(
@@ -321,7 +339,9 @@ class ObjectLease:
 
     def _write(self) -> None:
         data = self._body()
+        started = time.monotonic()
         self.folder.put(self.name, lambda f: f.write(data))
+        self._renewed = started
 
     def _others(self) -> tuple[Any, list[tuple[str, Any, dict[str, Any]]]]:
         """Our lease's FileInfo (None if gone) and the other leases with their bodies."""
@@ -369,12 +389,22 @@ class ObjectLease:
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl / 4):
             try:
+                # A lease another writer deleted (it found ours expired) is not written again:
+                # the folder is that writer's now, and the next check() says so.
+                if self.name not in self.folder.list_prefix(LEASE_PREFIX):
+                    self._lost = "another writer took over its expired lease (was it paused?)"
+                    return
                 self._write()
-            except JobError as err:  # the next check() reports it
-                self._lost = str(err)
+            except JobError:
+                pass  # a failed renewal: check() stops the writer once the lease may be expired
 
     def check(self) -> None:
         """Before a commit: JobError if our lease is gone or another writer holds a live one."""
+        age = time.monotonic() - self._renewed
+        if age > self.ttl:
+            self._lost = f"it was not renewed for {age:.0f} s (lease_seconds is {self.ttl:g})"
+        if self._lost:
+            raise JobError(f"output folder {self.folder}: lost the writer's lease: {self._lost}")
         mine, others = self._others()
         if mine is None:
             self._lost = "its lease object was removed (expired: was this process paused?)"

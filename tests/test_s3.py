@@ -271,6 +271,12 @@ def test_a_writer_that_lost_its_lease_does_not_commit(s3: Any) -> None:
         write_rows(folder, range(2, 4))
     assert manifest(s3)["totals"]["rows"] == 2
     folder._lease = None
+    # a writer whose renewals failed for lease_seconds stops too (its own clock measures it)
+    with OutputFolder.open(uri, FP) as other:
+        other._lease._renewed -= other._lease.ttl + 1
+        with pytest.raises(JobError, match="was not renewed for"):
+            write_rows(other, range(2, 4))
+        assert manifest(s3)["totals"]["rows"] == 2
 
 
 # --------------------------------------------------------------------------- whole jobs
@@ -303,6 +309,11 @@ def test_job_from_s3_to_s3_equals_the_local_job(s3: Any, model: Path, tmp_path: 
     assert "nothing to do" in again.stderr
     # the fingerprint and the folder hold no secrets
     assert "testing" not in json.dumps(manifest(s3))
+    # another job is refused; --fresh deletes the results first
+    assert "holds a different job" in refusal(invoke("run", job, "--set", "sampling.seed=9"))
+    run_cli("run", str(job), "--quiet", "--fresh", "--set", "sampling.seed=9")
+    assert s3_results(s3) != expected and len(s3_results(s3)) == len(expected)
+    assert [n for n in names(s3) if not n.startswith("_")] == ["part-00000.parquet"]
 
 
 def test_s3_problems_are_one_line(s3: Any, model: Path, tmp_path: Path) -> None:
