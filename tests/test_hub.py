@@ -4,6 +4,7 @@ that the tests build in the hub layout from tiny models (``models--org--name/sna
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -25,7 +26,12 @@ def add_snapshot(cache: Path, repo: str, commit: str, model: Path, refs: tuple[s
     """Put ``model``'s files into ``cache`` as huggingface_hub lays out a download."""
     root = cache / f"models--{repo.replace('/', '--')}"
     snapshot = root / "snapshots" / commit
-    shutil.copytree(model, snapshot)
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir(exist_ok=True)
+    for file in sorted(model.iterdir()):  # as the hub does: snapshot entries link to blobs
+        blob = root / "blobs" / f"{commit[:8]}-{file.name}"
+        shutil.copyfile(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
     (root / "refs").mkdir(parents=True, exist_ok=True)
     for ref in refs:
         (root / "refs" / ref).write_text(commit)
