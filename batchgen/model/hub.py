@@ -59,7 +59,10 @@ def snapshot_folder(repo_id: str, revision: str | None) -> Path:
         )
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
         pass
-    where = f"model {repo_id} (revision {rev}) is not a local folder and not in the Hugging Face cache {cache}"
+    where = (
+        f"model {repo_id} (revision {rev}) is not a local folder and not in the Hugging Face "
+        f"cache {cache}"
+    )
     if hub_offline():
         raise ModelError(
             f"{where}, and HF_HUB_OFFLINE is set: download it where the network allows "
