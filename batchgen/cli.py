@@ -176,7 +176,7 @@ def run(job_file: Path, overrides: tuple[str, ...], fresh: bool, quiet: bool) ->
     """
     with _ErrorGuard() as guard, exit_at_once():
         job = load_job(job_file, overrides)
-        guard.log_dir = job.output.path
+        guard.log_dir = job.output.path if isinstance(job.output.path, Path) else None
         _runner().run(job, fresh=fresh, quiet=quiet)
 
 
@@ -253,8 +253,8 @@ def run_batch(
 
 
 @main.command()
-@click.argument("output_dir", metavar="OUTPUT_DIR", type=click.Path(path_type=Path))
-def status(output_dir: Path) -> None:
+@click.argument("output_dir", metavar="OUTPUT_DIR")
+def status(output_dir: str) -> None:
     """Show how far the job writing OUTPUT_DIR has got.
 
     Safe to run while the job runs.
@@ -262,6 +262,7 @@ def status(output_dir: Path) -> None:
     \b
     Example:
       batchgen status out/quickstart
+      batchgen status s3://bucket/runs/quickstart
     """
     with _ErrorGuard():  # a log goes to a temp file: OUTPUT_DIR may not be ours
         click.echo(_runner().status(output_dir))

@@ -27,6 +27,7 @@ from batchgen.formats import EXTENSIONS, TABULAR_FORMATS, InputFile, format_of, 
 from batchgen.job import InputConfig
 from batchgen.openai_batch import OpenAIBatchInput
 from batchgen.schema import RESULT_COLUMNS
+from batchgen.storage import S3_SCHEME, StorageSettings, is_uri, list_object_files
 
 _GLOB_CHARS = frozenset("*?[")
 _ID_SCAN_BATCH = 65536  # rows per batch while scanning the id column
@@ -106,6 +107,18 @@ def _format_of(file: Path, given: str) -> str:
 def resolve_input_files(spec: str, fmt: str = "auto") -> list[Path]:
     """The input files of :func:`resolve_inputs`, without their formats."""
     return [path for path, _ in resolve_inputs(spec, fmt)]
+
+
+def resolve_object_inputs(
+    spec: str, fmt: str, storage: StorageSettings | None
+) -> tuple[Any, list[tuple[str, str, str]]]:
+    """The input files of an ``s3://`` ``input.path`` (an object, a prefix's objects of the
+    format's extension, ``.parquet`` with ``auto``, or a glob): the pyarrow filesystem and, per
+    file, ``(s3:// URI, format, path in the filesystem)``."""
+    want = "jsonl" if fmt == "openai_batch" else fmt
+    suffix = next(e for e, f in EXTENSIONS.items() if f == ("parquet" if want == "auto" else want))
+    fs, keys = list_object_files(spec, storage, suffix)
+    return fs, [(f"{S3_SCHEME}{k}", _format_of(Path(k), fmt), k) for k in keys]
 
 
 def resolve_inputs(spec: str, fmt: str = "auto") -> list[tuple[Path, str]]:
@@ -194,10 +207,24 @@ class InputDataset:
     sizes, mtimes, row counts and schemas: cheap, no data read).
     """
 
-    def __init__(self, cfg: InputConfig) -> None:
+    def __init__(self, cfg: InputConfig, storage: StorageSettings | None = None) -> None:
+        """``storage``: the job's ``storage:`` section, for an ``s3://`` ``input.path``."""
         self.cfg = cfg
-        inputs = resolve_inputs(cfg.path, cfg.format)
-        self.files = [path for path, _ in inputs]
+        self._fs: Any = None  # the pyarrow filesystem of s3:// input; None: local files
+        inputs: list[tuple[Any, str]]
+        if is_uri(cfg.path):
+            if cfg.format == "openai_batch":
+                raise InputError(
+                    "input.format openai_batch reads local files only; copy the batch file "
+                    "from object storage first"
+                )
+            self._fs, objects = resolve_object_inputs(cfg.path, cfg.format, storage)
+            inputs = [(uri, fmt) for uri, fmt, _ in objects]
+            sources = [(self._fs, where) for _, _, where in objects]
+        else:
+            inputs = list(resolve_inputs(cfg.path, cfg.format))
+            sources = [None] * len(inputs)
+        self.files: list[Any] = [path for path, _ in inputs]
         clash = [c for c in cfg.keep_columns if c in RESULT_COLUMNS]
         if clash:
             raise InputError(
@@ -213,28 +240,32 @@ class InputDataset:
             return
         self.batch = None
         text = [c for c in (cfg.prompt_column, cfg.schema_column) if c is not None]
-        self.readers: list[InputFile] = [open_input_file(p, f, text) for p, f in inputs]
+        self.readers: list[InputFile] = [
+            open_input_file(p, f, text, src) for (p, f), src in zip(inputs, sources, strict=True)
+        ]
         schemas: list[pa.Schema] = []
         identity: list[Any] = []
         self.num_rows = 0
         for reader, (file, fmt) in zip(self.readers, inputs, strict=True):
             schema, rows = reader.scan()
-            stat = file.stat()
+            size, mtime_ns, where = self._stat(file)
             schemas.append(schema)
             self.num_rows += rows
-            entry = [
-                str(file.resolve()),
-                stat.st_size,
-                stat.st_mtime_ns,
-                rows,
-                schema.remove_metadata().to_string(),
-            ]
+            entry = [where, size, mtime_ns, rows, schema.remove_metadata().to_string()]
             identity.append(entry if fmt == "parquet" else [*entry, fmt])
         self.identity = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]
         self.id_type = self._check_columns(schemas)
         self.keep_fields = [schemas[0].field(c) for c in cfg.keep_columns]
         if cfg.id_column is not None:
             self._check_ids()
+
+    def _stat(self, file: Any) -> tuple[int, int, str]:
+        """Size, modification time (ns) and full name of an input file (its identity)."""
+        if self._fs is None:
+            stat = file.stat()
+            return stat.st_size, stat.st_mtime_ns, str(file.resolve())
+        info = self._fs.get_file_info(str(file)[len(S3_SCHEME) :])
+        return int(info.size or 0), int(info.mtime_ns or 0), str(file)
 
     # -- checks
 

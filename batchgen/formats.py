@@ -23,6 +23,7 @@ Every problem is an :class:`~batchgen.errors.InputError` of one line naming the 
 from __future__ import annotations
 
 import csv
+import io
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator
@@ -63,10 +64,22 @@ class InputFile(ABC):
     """One input file. ``scan`` first (it decides the types), then ``batches`` any number of
     times."""
 
-    def __init__(self, path: Path, text_columns: Collection[str] = ()) -> None:
+    def __init__(
+        self, path: Path | str, text_columns: Collection[str] = (), source: Any = None
+    ) -> None:
+        """``path``: a local file, or (with ``source``) the name an object store file is shown
+        by; ``source``: ``(pyarrow filesystem, path in it)`` for a file on an object store."""
         self.path = path
+        self.source = source
         self.text_columns = frozenset(text_columns)  # read as strings whatever they look like
         self.schema: pa.Schema | None = None
+
+    def _open(self) -> BinaryIO:
+        """The file, binary, buffered and seekable (local, or through ``source``)."""
+        if self.source is None:
+            return open(self.path, "rb")
+        fs, where = self.source
+        return io.BufferedReader(fs.open_input_file(where))
 
     @abstractmethod
     def scan(self) -> tuple[pa.Schema, int]:
@@ -86,10 +99,13 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def open_input_file(path: Path, fmt: str, text_columns: Collection[str] = ()) -> InputFile:
-    """The reader of ``path`` in format ``fmt`` (one of :data:`TABULAR_FORMATS`)."""
+def open_input_file(
+    path: Path | str, fmt: str, text_columns: Collection[str] = (), source: Any = None
+) -> InputFile:
+    """The reader of ``path`` in format ``fmt`` (one of :data:`TABULAR_FORMATS`); ``source``
+    as for :class:`InputFile`."""
     cls = {"parquet": ParquetFile, "jsonl": JsonLinesFile, "csv": CsvFile, "arrow": ArrowFile}
-    return cls[fmt](path, text_columns)
+    return cls[fmt](path, text_columns, source)
 
 
 # --------------------------------------------------------------------------- Parquet
@@ -98,7 +114,8 @@ def open_input_file(path: Path, fmt: str, text_columns: Collection[str] = ()) ->
 class ParquetFile(InputFile):
     def scan(self) -> tuple[pa.Schema, int]:
         try:
-            meta = pq.read_metadata(self.path)
+            with self._open() as fh:
+                meta = pq.read_metadata(fh)
             self.schema = meta.schema.to_arrow_schema()
         except (OSError, pa.ArrowException) as err:
             raise InputError(f"input file {self.path} is not a Parquet file ({err})") from None
@@ -106,7 +123,7 @@ class ParquetFile(InputFile):
 
     def batches(self, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
         try:
-            with open(self.path, "rb") as fh:
+            with self._open() as fh:
                 yield from pq.ParquetFile(fh).iter_batches(batch_size=batch_size, columns=columns)
         except (OSError, pa.ArrowException) as err:
             raise self._fail(err) from None
@@ -117,10 +134,10 @@ class ParquetFile(InputFile):
 
 class ArrowFile(InputFile):
     """Arrow IPC, file format (``.arrow``, Feather v2) or stream format (what ``datasets``
-    writes); memory-mapped, so batches are not copied."""
+    writes); memory-mapped when local, so batches are not copied."""
 
     def _reader(self) -> Any:
-        source = pa.memory_map(str(self.path))
+        source = pa.memory_map(str(self.path)) if self.source is None else self._open()
         try:
             return pa.ipc.open_file(source)
         except pa.ArrowInvalid:
@@ -263,7 +280,7 @@ class JsonLinesFile(InputFile):
         schema: pa.Schema | None = None
         rows = 0
         try:
-            with open(self.path, "rb") as fh:
+            with self._open() as fh:
                 for first, data in self._chunks(fh):
                     if not data.strip():
                         continue
@@ -287,7 +304,7 @@ class JsonLinesFile(InputFile):
         assert self.schema is not None, "scan first"
         wanted = pa.schema([self.schema.field(c) for c in columns])
         try:
-            with open(self.path, "rb") as fh:
+            with self._open() as fh:
                 for first, data in self._chunks(fh):
                     if not data.strip():
                         continue
@@ -308,9 +325,9 @@ class CsvFile(InputFile):
 
     _PARSE = pcsv.ParseOptions(newlines_in_values=True)
 
-    def _open(self, column_types: dict[str, pa.DataType], include: list[str] | None) -> Any:
+    def _stream(self, column_types: dict[str, pa.DataType], include: list[str] | None) -> Any:
         return pcsv.open_csv(
-            self.path,
+            self._open(),
             read_options=pcsv.ReadOptions(block_size=_CSV_BLOCK_BYTES, use_threads=False),
             parse_options=self._PARSE,
             convert_options=pcsv.ConvertOptions(
@@ -323,7 +340,7 @@ class CsvFile(InputFile):
 
     def _header(self) -> list[str]:
         reader = pcsv.open_csv(
-            self.path,
+            self._open(),
             read_options=pcsv.ReadOptions(block_size=1 << 16, use_threads=False),
             parse_options=self._PARSE,
         )
@@ -332,7 +349,9 @@ class CsvFile(InputFile):
     def _locate(self, err: BaseException) -> InputError:
         """The first row whose number of fields differs from the header's, by physical line."""
         try:
-            with open(self.path, newline="", encoding="utf-8", errors="replace") as fh:
+            with io.TextIOWrapper(
+                self._open(), newline="", encoding="utf-8", errors="replace"
+            ) as fh:
                 reader = csv.reader(fh)
                 header = next(reader, [])
                 start = reader.line_num + 1
@@ -355,7 +374,7 @@ class CsvFile(InputFile):
                 for n in names
             }
             rows = 0
-            for batch in self._open(dict.fromkeys(names, pa.string()), None):
+            for batch in self._stream(dict.fromkeys(names, pa.string()), None):
                 rows += batch.num_rows
                 for name, column in zip(batch.schema.names, batch.columns, strict=True):
                     candidates[name] = [t for t in candidates[name] if _casts(column, t)]
@@ -371,7 +390,7 @@ class CsvFile(InputFile):
         assert self.schema is not None, "scan first"
         types = {c: self.schema.field(c).type for c in columns}
         try:
-            for batch in self._open(types, columns):
+            for batch in self._stream(types, columns):
                 batch = batch.select(columns)
                 for start in range(0, batch.num_rows, batch_size):
                     yield batch.slice(start, batch_size)

@@ -126,6 +126,19 @@ def _path(value: Any) -> Any:
 PathValue = Annotated[Path, BeforeValidator(_path)]
 
 
+def _path_or_uri(value: Any) -> Any:
+    """An ``s3://`` URI stays a string; any other string becomes a Path."""
+    if isinstance(value, str) and value.startswith("s3://"):
+        return value
+    return _path(value)
+
+
+# A local folder (a Path) or an object-store prefix (an ``s3://`` string).
+PathOrUri = Annotated[Path | str, PlainValidator(_path_or_uri)]
+# A hub id: org/name, each part letters, digits, '-', '_', '.' (not starting with '.').
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9_-][\w.-]*/[A-Za-z0-9_-][\w.-]*$")
+
+
 class _Section(BaseModel):
     """Base of every job-file model: unknown keys are errors, values are strict, frozen."""
 
@@ -242,7 +255,7 @@ class OutputConfig(_Section):
     not change results and are not in the fingerprint.
     """
 
-    path: PathValue
+    path: PathOrUri
     commit_rows: int = Field(default=1000, ge=1)
     commit_seconds: Float = Field(default=5.0, gt=0)
 
@@ -375,18 +388,46 @@ class ExecutorConfig(_Section):
     max_restarts: int = Field(default=3, ge=0)
 
 
+class StorageConfig(_Section):
+    """``storage:``: how ``s3://`` paths are reached (optional; every key has a default).
+
+    ``endpoint_url`` (e.g. ``http://minio:9000``) and ``region`` override the AWS variables
+    (``AWS_ENDPOINT_URL``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``). Credentials are never
+    keys here: they come from AWS's usual chain (``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY``, a profile, an instance role), so they never reach the output
+    folder or the fingerprint. Extension (not in SPEC): ``lease_seconds``, how long a writer's
+    lease on an ``s3://`` output stays valid without renewal (see batchgen.storage.ObjectLease).
+    None of it is in the fingerprint.
+    """
+
+    endpoint_url: str | None = Field(default=None, min_length=1)
+    region: str | None = Field(default=None, min_length=1)
+    lease_seconds: Float = Field(default=60.0, ge=1)
+
+
 class Job(_Section):
     """A whole job file. ``model``, ``input.path`` and ``output.path`` are required.
 
-    After :func:`load_job`, ``model``, ``input.path`` and ``output.path`` are absolute.
+    After :func:`load_job`, ``input.path`` and ``output.path`` are absolute (or ``s3://``
+    URIs), and ``model`` is absolute, unless it is a hub id (``org/name`` that names no local
+    path), which stays relative and is resolved by :func:`batchgen.model.loader.resolve_model`
+    (with ``revision``: a branch, tag or commit).
     """
 
     model: PathValue
+    revision: str | None = Field(default=None, min_length=1)
     input: InputConfig
     output: OutputConfig
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig()
     executor: ExecutorConfig = ExecutorConfig()
+    storage: StorageConfig = StorageConfig()
+
+    @property
+    def hub_id(self) -> str | None:
+        """``model`` as a hub id (``org/name``), None when it is a local folder."""
+        text = self.model.as_posix()
+        return text if not self.model.is_absolute() and _HUB_ID_RE.match(text) else None
 
     @model_validator(mode="before")
     @classmethod
@@ -394,7 +435,7 @@ class Job(_Section):
         # "sampling:" with every child commented out parses as null: mean the defaults.
         if isinstance(data, Mapping):
             data = {
-                k: ({} if v is None and k in ("sampling", "engine", "executor") else v)
+                k: ({} if v is None and k in ("sampling", "engine", "executor", "storage") else v)
                 for k, v in data.items()
             }
         return data
@@ -520,7 +561,17 @@ def _resolve_paths(job: Job, base: Path) -> Job:
     ``sampling.structured.json_schema_file`` absolute, relative to ``base``."""
 
     def absolute(p: str | Path) -> str:
+        if isinstance(p, str) and p.startswith("s3://"):
+            return p
         return os.path.normpath(base / Path(p).expanduser())
+
+    def model_path(p: Path) -> Path:
+        # org/name that is not a local path is a hub id: kept as given
+        local = Path(absolute(p))
+        text = p.as_posix()
+        if not p.is_absolute() and _HUB_ID_RE.match(text) and not local.exists():
+            return p
+        return local
 
     sampling = job.sampling
     structured = sampling.structured
@@ -530,12 +581,18 @@ def _resolve_paths(job: Job, base: Path) -> Job:
         sampling = sampling.model_copy(update={"structured": structured})
     return job.model_copy(
         update={
-            "model": Path(absolute(job.model)),
+            "model": model_path(job.model),
             "input": job.input.model_copy(update={"path": absolute(job.input.path)}),
-            "output": job.output.model_copy(update={"path": Path(absolute(job.output.path))}),
+            "output": job.output.model_copy(
+                update={"path": _as_output_path(absolute(job.output.path))}
+            ),
             "sampling": sampling,
         }
     )
+
+
+def _as_output_path(text: str) -> Path | str:
+    return text if text.startswith("s3://") else Path(text)
 
 
 # --------------------------------------------------------------------------- error lines
@@ -626,6 +683,7 @@ __all__ = [
     "Job",
     "OutputConfig",
     "SamplingConfig",
+    "StorageConfig",
     "StructuredConfig",
     "apply_override",
     "load_job",

@@ -36,6 +36,27 @@ Manifest (JSON)::
 
 ``rows`` counts input rows, ``samples`` output rows; the token sums are over output rows;
 ``errors`` counts output rows whose ``finish_reason`` is ``error``.
+
+On object storage (``output.path: s3://bucket/prefix``, :class:`ObjectOutputFolder`) there is
+no rename and no lock, so the protocol differs in how, not in what it guarantees:
+
+    _staging/part-00002-<writer token>.parquet   a part written, not yet published
+    _lease/<writer token>.json                   the writer's lease (storage.ObjectLease)
+
+1. The part is written (one PUT) under a unique staging name: no writer, stale or not, ever
+   overwrites another's staged part. ``_``: readers skip the whole ``_staging/`` prefix.
+2. The manifest is written (one PUT), listing the part by its final name and its staged name.
+   **This is the commit point**: a part is committed iff the manifest lists it.
+3. The staged part is copied (server-side) to ``part-NNNNN.parquet``, then deleted.
+
+Readers of the prefix (pyarrow.dataset, pandas, DuckDB over ``s3://``) therefore see only
+committed rows, also while a job runs and after a crash: a part appears under its final name
+only after the manifest lists it. Copying after the commit (rather than writing the final name
+first, as the local protocol renames before it) is what buys that; it costs a server-side copy
+per part. Opening the folder rolls a crash forward: a listed part whose final object is missing
+is copied from its staged object (or, if that is gone too, dropped from the manifest: its rows
+are generated again); staged objects and ``part-*`` objects the manifest does not list were
+never committed and are deleted. Before each manifest write the writer checks its lease.
 """
 
 from __future__ import annotations
@@ -47,6 +68,7 @@ import json
 import os
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +80,18 @@ import pyarrow.parquet as pq
 from batchgen.errors import JobError, OutputFullError
 from batchgen.fingerprint import describe_fingerprint_mismatch
 from batchgen.schema import Totals
-from batchgen.storage import fsync_dir, json_bytes, lock_folder, now_iso, write_durably
+from batchgen.storage import (
+    STAGING_PREFIX,
+    ObjectFolder,
+    ObjectLease,
+    StorageSettings,
+    fsync_dir,
+    is_uri,
+    json_bytes,
+    lock_folder,
+    now_iso,
+    write_durably,
+)
 
 MANIFEST_NAME = "_manifest.json"
 REPORT_NAME = "_report.json"
@@ -78,14 +111,30 @@ COMMIT_STEPS = ("part_written", "part_renamed", "manifest_written")
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
-def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """The manifest, None if there is none. Raises JobError if it is unreadable or not ours."""
-    path = folder / MANIFEST_NAME
+def read_manifest(
+    folder: Path | str, storage: StorageSettings | None = None
+) -> dict[str, Any] | None:
+    """The manifest, None if there is none. Raises JobError if it is unreadable or not ours.
+    ``folder`` may be an ``s3://`` URI (``storage``: the job's ``storage:`` section)."""
+    if is_uri(folder):
+        return _parse_manifest(str(folder), ObjectFolder(str(folder), storage).read_bytes)
+    path = Path(folder) / MANIFEST_NAME
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        raw: bytes | None = path.read_bytes()
     except FileNotFoundError:
+        raw = None
+    except OSError as err:
+        raise JobError(f"output folder {folder}: cannot read {MANIFEST_NAME}: {err}") from None
+    return _parse_manifest(str(folder), lambda _name: raw)
+
+
+def _parse_manifest(folder: str, read: Callable[[str], bytes | None]) -> dict[str, Any] | None:
+    raw = read(MANIFEST_NAME)
+    if raw is None:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise JobError(f"output folder {folder}: cannot read {MANIFEST_NAME}: {err}") from None
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         raise JobError(
@@ -129,7 +178,7 @@ class FolderState:
 
     ``manifest``: the results to resume (None: the job starts afresh, also with ``fresh``)."""
 
-    path: Path
+    path: Path | str
     manifest: dict[str, Any] | None
 
     @property
@@ -138,14 +187,20 @@ class FolderState:
 
 
 def inspect_folder(
-    path: Path, fingerprint: Mapping[str, str], fresh: bool, adopt: Sequence[str] = ()
+    path: Path | str,
+    fingerprint: Mapping[str, str],
+    fresh: bool,
+    adopt: Sequence[str] = (),
+    storage: StorageSettings | None = None,
 ) -> FolderState:
     """Read-only: raise the JobError that opening ``path`` for this job would raise (a file, not
     writable, a foreign folder, another job's results unless ``fresh``); else its state. Keys in
     ``adopt`` that the folder's fingerprint lacks do not differ (see :func:`same_job`).
 
     ``validate`` uses it as it is; :meth:`OutputFolder.open` before creating the folder and again
-    under the folder's lock."""
+    under the folder's lock. ``path`` may be an ``s3://`` URI."""
+    if is_uri(path):
+        return _inspect_object_folder(ObjectFolder(str(path), storage), fingerprint, fresh, adopt)
     path = Path(path)
     if not path.exists():
         parent = path.parent
@@ -168,9 +223,37 @@ def inspect_folder(
         if not fresh or not _looks_like_ours(path / MANIFEST_NAME):
             raise
         manifest = None
+    return _judge(path, manifest, os.listdir(path), fingerprint, fresh, adopt)
+
+
+def _inspect_object_folder(
+    store: ObjectFolder, fingerprint: Mapping[str, str], fresh: bool, adopt: Sequence[str]
+) -> FolderState:
+    store.check_bucket()
+    try:
+        manifest = _parse_manifest(store.uri, store.read_bytes)
+    except JobError:
+        raw = store.read_bytes(MANIFEST_NAME) or b""
+        if not fresh or MANIFEST_FORMAT.encode() not in raw[:200]:
+            raise
+        manifest = None
+    names = [n.split("/", 1)[0] for n in store.list()] if manifest is None else []
+    return _judge(store.uri, manifest, names, fingerprint, fresh, adopt)
+
+
+def _judge(
+    path: Path | str,
+    manifest: dict[str, Any] | None,
+    names: Sequence[str],
+    fingerprint: Mapping[str, str],
+    fresh: bool,
+    adopt: Sequence[str],
+) -> FolderState:
+    """The state of a folder holding ``manifest`` and the (top-level) ``names``; JobError if
+    this job may not write there."""
     if manifest is None:
         foreign = sorted(
-            n for n in os.listdir(path) if not n.startswith((".", "_")) and not _PART_RE.match(n)
+            {n for n in names if not n.startswith((".", "_")) and not _PART_RE.match(n)}
         )
         if foreign:
             raise JobError(
@@ -221,8 +304,12 @@ class OutputFolder:
         fingerprint: Mapping[str, str],
         fresh: bool = False,
         adopt: Sequence[str] = (),
+        storage: StorageSettings | None = None,
     ) -> OutputFolder:
         """Open (creating if missing) the output folder of a job with this fingerprint.
+
+        ``path`` may be an ``s3://`` URI: then an :class:`ObjectOutputFolder` is returned
+        (``storage``: the job's ``storage:`` section).
 
         Refused (JobError) as :func:`inspect_folder` says; keys in ``adopt`` that the folder's
         fingerprint lacks (written before they were fingerprinted) are recorded in it. ``fresh``: delete earlier results
@@ -230,6 +317,8 @@ class OutputFolder:
         files the manifest does not list (never committed). A listed part that is missing is
         dropped from the manifest, so its rows are generated again.
         """
+        if is_uri(path):
+            return ObjectOutputFolder.open_uri(str(path), fingerprint, fresh, adopt, storage)
         path = Path(path)
         inspect_folder(path, fingerprint, fresh, adopt)  # refuse before creating anything
         try:
@@ -311,16 +400,22 @@ class OutputFolder:
         Reads only the id column of the committed parts.
         """
         ids: set[Any] = set()
-        for part in self.part_paths():
+        for part in self._manifest["parts"]:
             try:
-                column = pq.read_table(part, columns=["id"]).column("id")
+                column = self._read_part(part["name"], ["id"]).column("id")
             except (OSError, pa.ArrowException) as err:
                 raise JobError(
-                    f"output folder {self.path}: committed part {part.name} is unreadable "
+                    f"output folder {self.path}: committed part {part['name']} is unreadable "
                     f"({err}); use --fresh to start over"
                 ) from None
             ids.update(column.to_pylist())
         return ids
+
+    def _read_part(self, name: str, columns: list[str]) -> pa.Table:
+        return pq.read_table(self.path / name, columns=columns)
+
+    def _read_part_schema(self, name: str) -> pa.Schema:
+        return pq.read_schema(self.path / name)
 
     def counts(self) -> dict[str, int]:
         """Totals over committed parts: rows (input), samples (output rows), prompt_tokens,
@@ -329,14 +424,14 @@ class OutputFolder:
 
     def check_schema(self, schema: pa.Schema) -> None:
         """JobError if committed parts have another schema (they could not be read together)."""
-        parts = self.part_paths()
+        parts = [p["name"] for p in self._manifest["parts"]]
         if not parts:
             return
         try:
-            existing = pq.read_schema(parts[0])
+            existing = self._read_part_schema(parts[0])
         except (OSError, pa.ArrowException) as err:
             raise JobError(
-                f"output folder {self.path}: committed part {parts[0].name} is unreadable "
+                f"output folder {self.path}: committed part {parts[0]} is unreadable "
                 f"({err}); use --fresh to start over"
             ) from None
         if not existing.remove_metadata().equals(schema.remove_metadata()):
@@ -464,6 +559,156 @@ def _looks_like_ours(manifest_path: Path) -> bool:
         return False
 
 
+# --------------------------------------------------------------------------- object storage
+
+
+class ObjectOutputFolder(OutputFolder):
+    """An output folder on object storage (``s3://bucket/prefix``): the protocol in the module
+    docstring, a lease (:class:`~batchgen.storage.ObjectLease`) instead of a lock."""
+
+    def __init__(
+        self, store: ObjectFolder, manifest: dict[str, Any], lease: ObjectLease | None
+    ) -> None:
+        self.store = store
+        self._lease = lease
+        super().__init__(Path(), manifest, None)
+        self.path = store.uri  # type: ignore[assignment]  # a URI: messages name it
+
+    @classmethod
+    def open_uri(
+        cls,
+        uri: str,
+        fingerprint: Mapping[str, str],
+        fresh: bool,
+        adopt: Sequence[str],
+        storage: StorageSettings | None,
+    ) -> ObjectOutputFolder:
+        """:meth:`OutputFolder.open` for a URI: refuse as :func:`inspect_folder` says, take the
+        lease, inspect again under it, roll a crashed commit forward, delete what was never
+        committed."""
+        store = ObjectFolder(uri, storage)
+        _inspect_object_folder(store, fingerprint, fresh, adopt)
+        lease = ObjectLease(store)
+        lease.acquire()
+        try:
+            state = _inspect_object_folder(store, fingerprint, fresh, adopt)
+            folder = cls(store, _new_manifest(fingerprint), lease)
+            folder._recover(state.manifest, fingerprint, fresh)
+        except BaseException:
+            lease.release()
+            raise
+        return folder
+
+    def _recover(
+        self, manifest: dict[str, Any] | None, fingerprint: Mapping[str, str], fresh: bool
+    ) -> None:
+        store = self.store
+        names = store.list()
+        if fresh:
+            for name in names:
+                if _PART_RE.match(name) or name.startswith(STAGING_PREFIX) or name in _RESULT_FILES:
+                    store.delete(name)
+            names = store.list()
+        if manifest is None:
+            manifest = _new_manifest(fingerprint)
+        parts = []
+        for part in manifest["parts"]:
+            staged = part.get("staged")
+            if part["name"] not in names and staged in names:
+                store.copy(staged, part["name"])  # committed, not yet published: roll forward
+            elif part["name"] not in names:
+                continue  # lost: its rows are generated again
+            parts.append(part)
+        keep = {p["name"] for p in parts}
+        for name in names:
+            # Staged objects are done with (published, or never committed); unlisted parts were
+            # never committed.
+            if name.startswith(STAGING_PREFIX) or (_PART_RE.match(name) and name not in keep):
+                store.delete(name)
+        recovered = {
+            **manifest,
+            "fingerprint": dict(fingerprint),
+            "parts": parts,
+            "totals": totals_of(parts),
+            "finished": manifest["finished"] and parts == manifest["parts"],
+        }
+        if recovered != manifest or MANIFEST_NAME not in names:
+            self._write_manifest(recovered)
+        else:
+            self._manifest = manifest
+
+    def part_paths(self) -> list[Path]:
+        raise NotImplementedError("parts on object storage have no local path; see part_names")
+
+    def part_names(self) -> list[str]:
+        """The committed parts' object names, in commit order."""
+        return [p["name"] for p in self._manifest["parts"]]
+
+    def _read_part(self, name: str, columns: list[str]) -> pa.Table:
+        with self.store.open_input(name) as f:
+            return pq.read_table(f, columns=columns)
+
+    def _read_part_schema(self, name: str) -> pa.Schema:
+        with self.store.open_input(name) as f:
+            return pq.read_schema(f)
+
+    def write_report(self, report: Mapping[str, Any]) -> None:
+        data = json_bytes(dict(report))
+        self.store.put(REPORT_NAME, lambda f: f.write(data))
+
+    def close(self) -> None:
+        lease = getattr(self, "_lease", None)
+        if lease is not None:
+            self._lease = None
+            lease.release()
+
+    def _write_manifest(
+        self, manifest: dict[str, Any], before_rename: Callable[[], None] | None = None
+    ) -> None:
+        data = json_bytes(manifest)
+        if self._lease is not None:
+            self._lease.check()  # fencing: a writer that lost its lease must not commit
+        if before_rename is not None:
+            before_rename()
+        self.store.put(MANIFEST_NAME, lambda f: f.write(data))
+        self._manifest = manifest
+
+    def _commit_part(self, table: pa.Table, rows: int, on_step: StepHook | None) -> None:
+        """Stage the part, commit the manifest that lists it, publish the part (module
+        docstring). Steps: part_written (staged), manifest_written (before its PUT),
+        part_renamed (published)."""
+        number = int(self._manifest["next_part"])
+        name = f"part-{number:05d}.parquet"
+        token = self._lease.token if self._lease is not None else uuid.uuid4().hex
+        staged = f"{STAGING_PREFIX}part-{number:05d}-{token}.parquet"
+        step = on_step or (lambda _name: None)
+        self.store.put(staged, lambda f: pq.write_table(table, f))
+        step("part_written")
+        ids = table.column("id")
+        entry = {
+            "name": name,
+            "staged": staged,
+            **Totals.of_table(table, rows).as_dict(),
+            "first_id": ids[0].as_py(),
+            "last_id": ids[-1].as_py(),
+        }
+        manifest = copy.deepcopy(self._manifest)
+        manifest["parts"].append(entry)
+        manifest["totals"] = totals_of(manifest["parts"])
+        manifest["next_part"] = number + 1
+        manifest["last_commit_at"] = now_iso()
+        manifest["finished"] = False
+        if self.store.exists(name):  # only a writer that lost its lease gets here
+            raise JobError(
+                f"output folder {self.path}: {name} exists already: another writer has taken "
+                "the folder over"
+            )
+        self._write_manifest(manifest, before_rename=lambda: step("manifest_written"))
+        self.store.copy(staged, name)
+        step("part_renamed")
+        self.store.delete(staged)
+
+
 # --------------------------------------------------------------------------- the writer
 
 
@@ -536,6 +781,7 @@ __all__ = [
     "MANIFEST_NAME",
     "REPORT_NAME",
     "FolderState",
+    "ObjectOutputFolder",
     "OutputFolder",
     "PartWriter",
     "inspect_folder",

@@ -22,6 +22,7 @@ from batchgen.executors import Executor
 from batchgen.fingerprint import describe_fingerprint_mismatch, fingerprint
 from batchgen.job import Job
 from batchgen.model.config import read_model_info
+from batchgen.model.hub import resolve_model
 from batchgen.model.loader import check_model, load_tokenizer, model_identity
 from batchgen.openai_batch import write_batch_output
 from batchgen.plan import (
@@ -37,6 +38,7 @@ from batchgen.results import OutputFolder, inspect_folder, read_manifest
 from batchgen.schema import RowGroup, Totals, error_rows, output_schema
 from batchgen.signals import GracefulStop, Interrupted
 from batchgen.status import read_status
+from batchgen.storage import is_uri
 from batchgen.structured import StructuredOutputs
 
 BATCH_OUTPUT_NAME = "_batch_output.jsonl"
@@ -47,15 +49,16 @@ BATCH_OUTPUT_NAME = "_batch_output.jsonl"
 def validate(job: Job) -> str:
     """Check the job as ``run`` would, in the same order, without generating or writing
     anything; return the plan. Raises the same errors ``run`` would raise before it starts."""
+    job = resolve_model(job)  # a hub id -> its folder in the Hugging Face cache
     info = read_model_info(job.model)
-    dataset = InputDataset(job.input)
+    dataset = InputDataset(job.input, job.storage)
     check_model(job.model)  # weights and tokenizer files, from their headers
     text, adopt = job_numerics(job, job.output.path)
     fp = fingerprint(job, model_identity(job.model), dataset.identity, text)
     tokenizer = load_tokenizer(job.model)
     check_job_against_model(job, info, tokenizer)
     StructuredOutputs(job, info, tokenizer)  # the job-level constraint compiles
-    state = inspect_folder(job.output.path, fp, False, adopt)
+    state = inspect_folder(job.output.path, fp, False, adopt, job.storage)
     output = (
         f"resumes: {state.rows_done} of {dataset.num_rows} rows done" if state.manifest else "new"
     )
@@ -91,7 +94,7 @@ def _per_row_sampling(job: Job) -> bool:
 
 
 def status(path: str | Path) -> str:
-    return read_status(Path(path))
+    return read_status(path)
 
 
 def _check_ray_installed() -> None:
@@ -126,15 +129,23 @@ class JobRun:
     ) -> None:
         """``batch_output``: where an OpenAI batch job writes its output JSONL (default:
         :func:`default_batch_output`)."""
+        # what OpenAI batch output lines name as the model: the hub id, or the folder's name
+        self.model_name = job.hub_id or Path(job.model).name
+        job = resolve_model(job)  # a hub id -> its folder in the Hugging Face cache
         self.job = job
         self.quiet = quiet
+        if job.input.format == "openai_batch" and batch_output is None and is_uri(job.output.path):
+            raise JobError(
+                "input.format openai_batch writes its output JSONL into output.path, which must "
+                "then be a local folder"
+            )
         self.batch_output = (
             (batch_output or default_batch_output(job))
             if job.input.format == "openai_batch"
             else None
         )
         info = read_model_info(job.model)
-        self.dataset = InputDataset(job.input)
+        self.dataset = InputDataset(job.input, job.storage)
         self.executor: Executor | None = None
         # Settings that can still fail are checked before the output folder is touched (the
         # number of KV blocks is planned again once the model is loaded and memory is known).
@@ -148,7 +159,7 @@ class JobRun:
         self.tokenizer = load_tokenizer(job.model)
         check_job_against_model(job, info, self.tokenizer)
         self.structured = StructuredOutputs(job, info, self.tokenizer)
-        self.folder = OutputFolder.open(job.output.path, fp, fresh, adopt)
+        self.folder = OutputFolder.open(job.output.path, fp, fresh, adopt, job.storage)
         try:
             self._start(job)
         except BaseException:
@@ -238,7 +249,7 @@ class JobRun:
             self.dataset.batch,
             self.folder.path,
             out,
-            Path(self.job.model).name,
+            self.model_name,
             int(created.timestamp()),
         )
         if not self.quiet:

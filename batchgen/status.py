@@ -9,6 +9,7 @@ from pathlib import Path
 
 from batchgen.errors import JobError
 from batchgen.results import MANIFEST_NAME, REPORT_NAME, read_manifest, totals_of
+from batchgen.storage import ObjectFolder, is_uri
 
 
 def _age(iso: str | None) -> str:
@@ -30,15 +31,18 @@ def _age(iso: str | None) -> str:
     return f"{then.strftime('%Y-%m-%d %H:%M:%S')} UTC ({ago})"
 
 
-def read_status(path: Path) -> str:
+def read_status(path: Path | str) -> str:
     """How far the job in this output folder has got, as a few lines of text.
 
     Safe while a job runs (the manifest is replaced atomically). JobError if ``path`` is not an
-    output folder.
+    output folder. ``path`` may be an ``s3://`` URI (endpoint and credentials from the AWS
+    variables).
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise JobError(f"{path} is not a folder")
+    store = ObjectFolder(str(path)) if is_uri(path) else None
+    if store is None:
+        path = Path(path)
+        if not path.is_dir():
+            raise JobError(f"{path} is not a folder")
     manifest = read_manifest(path)
     if manifest is None:
         raise JobError(f"{path} is not a batchgen output folder (no {MANIFEST_NAME})")
@@ -64,8 +68,11 @@ def read_status(path: Path) -> str:
         f"last commit:   {_age(manifest.get('last_commit_at'))}",
     ]
     try:
-        report = json.loads((path / REPORT_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        if store is not None:
+            report = json.loads(store.read_bytes(REPORT_NAME) or b"null")
+        else:
+            report = json.loads((Path(path) / REPORT_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError, JobError):
         report = None
     if isinstance(report, dict) and "elapsed_s" in report:
         speed = report.get("output_tokens_per_s")

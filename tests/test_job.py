@@ -95,9 +95,10 @@ def test_defaults_follow_spec(tmp_path: Path) -> None:
 
 def test_relative_paths_resolve_against_job_folder(tmp_path: Path) -> None:
     sub = tmp_path / "jobs"
-    sub.mkdir()
+    (sub / "models" / "tiny").mkdir(parents=True)  # else org/name would be a hub id
     job = load_job(write_job_file(sub, MINIMAL))
     assert job.model == sub / "models" / "tiny"
+    assert job.hub_id is None
     assert job.input.path == str(sub / "data" / "p.parquet")
     assert job.output.path == sub / "out" / "run"
 
@@ -293,7 +294,7 @@ def test_missing_required_keys(tmp_path: Path, text: str, expected: str) -> None
         ({"modle": "m"}, "unknown key 'modle' (did you mean 'model'?)"),
         (
             {"zzz": 1},
-            "unknown key 'zzz' (valid keys: model, input, output, sampling, engine, executor)",
+            "unknown key 'zzz' (valid keys: model, revision, input, output, sampling, engine, executor, storage)",
         ),
     ],
 )

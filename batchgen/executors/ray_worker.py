@@ -15,6 +15,7 @@ import ray
 from batchgen.executors.local import RowGenerator
 from batchgen.job import Job
 from batchgen.model.config import read_model_info
+from batchgen.model.hub import localize
 from batchgen.model.loader import load_tokenizer
 from batchgen.plan import resolve_placement
 from batchgen.prompts import EncodedRow
@@ -48,7 +49,9 @@ class Worker:
     def load(self) -> dict[str, Any]:
         """Load the model and build the engine (once); where and how it runs."""
         if self.generator is None:
-            job = self.job
+            # The driver's model folder, or (no shared filesystem) the same hub commit from
+            # this node's Hugging Face cache.
+            job = self.job.model_copy(update={"model": localize(self.job.model)})
             info = read_model_info(job.model)
             self.generator = RowGenerator(
                 job, info, resolve_placement(job), load_tokenizer(job.model)
