@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -34,7 +35,15 @@ from batchgen.results import COMMIT_STEPS, MANIFEST_NAME, ObjectOutputFolder, Ou
 from batchgen.schema import error_rows, output_schema
 from batchgen.storage import ObjectFolder, s3_filesystem
 from batchgen.tiny_model import make_prompts
-from tests.jobkit import invoke, read_results, refusal, run_cli, write_job, write_job_file
+from tests.jobkit import (
+    invoke,
+    read_results,
+    refusal,
+    run_cli,
+    run_job,
+    write_job,
+    write_job_file,
+)
 from tests.ties import compare_samples
 
 pytest.importorskip("moto")
@@ -314,6 +323,30 @@ def test_job_from_s3_to_s3_equals_the_local_job(s3: Any, model: Path, tmp_path: 
     run_cli("run", str(job), "--quiet", "--fresh", "--set", "sampling.seed=9")
     assert s3_results(s3) != expected and len(s3_results(s3)) == len(expected)
     assert [n for n in names(s3) if not n.startswith("_")] == ["part-00000.parquet"]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_other_input_formats_read_from_s3(s3: Any, model: Path, tmp_path: Path, fmt: str) -> None:
+    """A prefix of JSON Lines / CSV objects (input.format names which) gives the rows of the same
+    prompts read from a local Parquet file; the parquet object beside them is not read."""
+    import pyarrow.csv as pcsv
+
+    prompts = make_prompts(6, seed=7)
+    local = write_job(tmp_path / "local", model, prompts, sampling=SAMPLING)
+    expected = run_job(local)
+    table = pq.read_table(tmp_path / "local" / "prompts.parquet")
+    data = tmp_path / f"prompts.{fmt}"
+    if fmt == "jsonl":
+        data.write_text("".join(json.dumps(r) + "\n" for r in table.to_pylist()))
+    else:
+        pcsv.write_csv(table, data)
+    upload(s3, data, f"in/prompts.{fmt}")
+    upload(s3, tmp_path / "local" / "prompts.parquet", "in/other.parquet")
+    job = yaml.safe_load(local.read_text())
+    job["input"] = {"path": f"{s3.uri}/in/", "format": fmt}
+    job["output"]["path"] = str(tmp_path / "out-s3")
+    path = write_job_file(tmp_path, job, "s3.yaml")
+    assert run_job(path) == expected
 
 
 def test_s3_problems_are_one_line(s3: Any, model: Path, tmp_path: Path) -> None:
