@@ -10,6 +10,7 @@ import torch
 
 from batchgen.engine.batch import build_step
 from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.device import device_guard
 from batchgen.engine.grammar import apply_masks
 from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels
 from batchgen.engine.radix_cache import make_prefix_cache
@@ -117,8 +118,13 @@ class Engine:
     def num_waiting_targets(self) -> int:
         return self.scheduler.num_waiting_targets
 
-    @torch.inference_mode()
     def step(self) -> list[SampleResult]:
+        """Schedule, run and sample one step on the engine's device (made current for Triton)."""
+        with device_guard(self.device):
+            return self._step()
+
+    @torch.inference_mode()
+    def _step(self) -> list[SampleResult]:
         batch = self.scheduler.schedule()
         assert batch, "scheduler produced an empty batch while work remains"
         if self.check_invariants:
