@@ -30,6 +30,7 @@ from batchgen.results import read_manifest
 CPU_KV_CACHE_CAP = 1 << 30  # bytes: "auto" never takes more than this on a CPU
 CPU_KV_CACHE_SHARE = 0.25  # of available memory, for "auto" on a CPU
 GPU_KV_CACHE_SHARE = 0.85  # of free device memory after the model is loaded
+GPU_RESERVE_SHARE = 0.04  # of total device memory kept free (allocator fragmentation, CUDA ctx)
 DEFAULT_CPU_MEMORY = 8 << 30  # assumed available where /proc/meminfo cannot be read
 
 
@@ -127,14 +128,41 @@ def _available_memory(device: torch.device) -> int:
     return DEFAULT_CPU_MEMORY
 
 
-def plan_num_blocks(job: Job, info: ModelInfo, place: Placement) -> int:
-    """KV blocks for the pool: kv_cache_blocks, else kv_cache_memory, else a share of free memory."""
+def cuda_kv_budget(free: int, total: int, activation_peak: int) -> int:
+    """Bytes ``kv_cache_memory: auto`` gives the KV cache on a CUDA device.
+
+    ``free``: ``torch.cuda.mem_get_info`` after the model is loaded and the allocator's cache was
+    emptied (so the weights, and whatever other processes hold, are already taken out);
+    ``activation_peak``: what the worst step allocates on top (:func:`measure_activation_peak`);
+    a reserve of ``GPU_RESERVE_SHARE`` of the device stays free. Never negative.
+    """
+    return max(0, free - activation_peak - int(total * GPU_RESERVE_SHARE))
+
+
+def _cuda_free_after_empty_cache(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of ``device`` once the caching allocator has returned what it holds
+    unused (the weights' loading leaves freed halves of fused projections cached)."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
+
+
+def plan_num_blocks(
+    job: Job, info: ModelInfo, place: Placement, model: torch.nn.Module | None = None
+) -> int:
+    """KV blocks for the pool: kv_cache_blocks, else kv_cache_memory, else a share of free memory.
+
+    On CUDA with ``kv_cache_memory: auto``, ``model`` (the loaded model) lets the step's
+    activation peak be measured first; without it (``validate``) a share of free memory is
+    planned instead.
+    """
     eng = job.engine
     block_bytes = info.kv_bytes_per_token(place.dtype) * eng.block_size
     if eng.kv_cache_blocks is not None:
         return eng.kv_cache_blocks
     if eng.kv_cache_memory != "auto":
         blocks = int(eng.kv_cache_memory) // block_bytes
+    elif place.device.type == "cuda" and model is not None:
+        blocks = _cuda_auto_blocks(job, info, place, model) // block_bytes
     elif place.device.type == "cuda":
         blocks = int(_available_memory(place.device) * GPU_KV_CACHE_SHARE) // block_bytes
     else:
@@ -145,6 +173,24 @@ def plan_num_blocks(job: Job, info: ModelInfo, place: Placement) -> int:
             f"engine.kv_cache_memory leaves no room for one KV block ({block_bytes} bytes)"
         )
     return blocks
+
+
+def _cuda_auto_blocks(job: Job, info: ModelInfo, place: Placement, model: torch.nn.Module) -> int:
+    """``cuda_kv_budget`` with the activation peak measured on the loaded model."""
+    from batchgen.engine.memory import measure_activation_peak
+
+    eng = job.engine
+    peak = measure_activation_peak(
+        model,
+        info,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        max_num_seqs=eng.max_num_seqs,
+        block_size=eng.block_size,
+        device=place.device,
+        dtype=place.dtype,
+    )
+    free, total = _cuda_free_after_empty_cache(place.device)
+    return cuda_kv_budget(free, total, peak)
 
 
 def max_model_len(job: Job, info: ModelInfo, num_blocks: int) -> int:
