@@ -19,13 +19,19 @@ class StepTensors:
 
 
 def build_step(batch: Batch, block_size: int, device: torch.device) -> StepTensors:
+    """The step's tensors. Sequences are laid out decodes (one new token) first, so attention
+    can launch them apart (``meta.num_decodes``); ``logits_indices`` stays in the order of
+    ``batch.chunks``, which is the order the sampler's rows follow."""
     input_ids: list[int] = []
     positions: list[int] = []
     seq_lens: list[int] = []
     cu_seqlens = [0]
-    logits_indices: list[int] = []
     tables: list[list[int]] = []
-    for chunk in batch.chunks:
+    decodes = [i for i, c in enumerate(batch.chunks) if c.num_tokens == 1]
+    layout = decodes + [i for i, c in enumerate(batch.chunks) if c.num_tokens != 1]
+    last_row = [0] * len(batch.chunks)  # chunk index -> row of its last new token
+    for i in layout:
+        chunk = batch.chunks[i]
         seq = chunk.seq
         end = chunk.start + chunk.num_tokens
         input_ids.extend(seq.token_ids[chunk.start : end])
@@ -33,15 +39,18 @@ def build_step(batch: Batch, block_size: int, device: torch.device) -> StepTenso
         seq_lens.append(end)
         cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
         tables.append(seq.block_table)
+        last_row[i] = cu_seqlens[-1] - 1
+    logits_indices: list[int] = []
+    for i, chunk in enumerate(batch.chunks):
         if chunk.samples:
-            logits_indices.extend([cu_seqlens[-1] - 1] * len(seq.targets))
+            logits_indices.extend([last_row[i]] * len(chunk.seq.targets))
 
     max_blocks = max(len(t) for t in tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
     block_tables = torch.tensor(padded, dtype=torch.int32)  # [B, max_blocks]
     pos = torch.tensor(positions, dtype=torch.int64)  # [T]
-    q_lens = torch.tensor([c.num_tokens for c in batch.chunks], dtype=torch.int64)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(batch.chunks)), q_lens)  # [T]
+    q_lens = torch.tensor([batch.chunks[i].num_tokens for i in layout], dtype=torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(layout)), q_lens)  # [T]
     slot_mapping = (
         block_tables[seq_of_token, pos // block_size].to(torch.int64) * block_size
         + pos % block_size
@@ -53,6 +62,7 @@ def build_step(batch: Batch, block_size: int, device: torch.device) -> StepTenso
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         max_seqlen_q=int(q_lens.max()),
         max_seqlen_k=max(seq_lens),
+        num_decodes=len(decodes),
     )
     return StepTensors(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
