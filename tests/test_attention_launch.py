@@ -95,3 +95,32 @@ def test_per_step_integers_are_not_specialised() -> None:
             inputs = build_inputs(AttnCase(seqs, 4, 2, 64, F32), spare_blocks=1)
             attention.paged_attention(*inputs.args(), num_splits=1)
     assert counter.count(attention._paged_attention_kernel) == 1, counter.keys
+
+
+@pytest.mark.skipif(GPU_SESSION, reason="counts what the interpreter would have compiled")
+def test_warm_up_compiles_what_an_engine_run_launches(tiny_model) -> None:
+    """Every variant an engine run launches (prefill steps over and under 64 query tokens,
+    mixed and decode-only steps) was already compiled by the engine's warm-up, which also
+    compiles each split-K bucket and its merge."""
+    from batchgen.kernels import attention
+    from tests.triton_variants import VariantCounter
+
+    engine = make_engine(
+        tiny_model("llama", num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16),
+        backend="triton",
+        max_num_batched_tokens=80,
+    )
+    kernels = (attention._paged_attention_kernel, attention._merge_splits_kernel)
+    with VariantCounter(*kernels) as warm:
+        launches = engine.warm_up()
+    with VariantCounter(*kernels) as run:
+        prompts = random_prompts([70, 3, 9], seed=8)  # 70 tokens: a prefill over 64 queries
+        generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=4))
+    buckets = len(attention.split_buckets())
+    assert launches == buckets + 2
+    # fp32 prefills of any length share one configuration (bf16 has two)
+    assert warm.count(attention._paged_attention_kernel) == buckets + 1
+    assert warm.count(attention._merge_splits_kernel) == buckets - 1
+    name = "batchgen.kernels.attention._paged_attention_kernel"
+    assert len(run.keys[name]) == 2  # decode, prefill
+    assert run.keys[name] <= warm.keys[name], "compiled mid-run"

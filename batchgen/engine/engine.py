@@ -107,6 +107,17 @@ class Engine:
             StopStrings(detokenize) if detokenize is not None else None,
         )
         self.stats = EngineStats()
+        self.num_heads = info.num_heads
+        if config.attention_backend == "triton" and device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self) -> int:
+        """Compile every attention variant a run can launch now, not mid-run (Triton backend;
+        the engine calls it on CUDA). Returns the number of warm-up launches."""
+        from batchgen.kernels.warmup import warm_up_attention
+
+        with device_guard(self.device), torch.inference_mode():
+            return warm_up_attention(self.kv_cache[0, 0], self.kv_cache[0, 1], self.num_heads)
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
