@@ -41,5 +41,5 @@ def skip_reason(markers: set[str]) -> str | None:
     if GPU_SESSION and not markers & {"gpu", "kernel"}:
         return f"CPU test: a GPU session ({GPU_ENV}=1) runs only tests marked gpu or kernel"
     if not GPU_SESSION and "gpu" in markers:
-        return f"needs a GPU session: {GPU_ENV}=1 on a CUDA machine (make test-gpu)"
+        return f"needs a GPU session: {GPU_ENV}=1 on a CUDA machine (scripts/gpu_check.sh runs them)"
     return None
