@@ -1,7 +1,7 @@
 """Which device a test session runs on, decided once, before torch or Triton start.
 
 A session is either a CPU session (the default, `make test`) or a GPU session
-(``BATCHGEN_TEST_GPU=1``, `make test-gpu`, scripts/gpu_check.sh):
+(``BATCHGEN_TEST_GPU=1``; scripts/gpu_check.sh starts one):
 
 - CPU session: CUDA is hidden (``CUDA_VISIBLE_DEVICES=""``) and Triton runs under its interpreter
   (``TRITON_INTERPRET=1``), so ``device: auto`` means the CPU, exact-token checks see the numerics
@@ -41,5 +41,7 @@ def skip_reason(markers: set[str]) -> str | None:
     if GPU_SESSION and not markers & {"gpu", "kernel"}:
         return f"CPU test: a GPU session ({GPU_ENV}=1) runs only tests marked gpu or kernel"
     if not GPU_SESSION and "gpu" in markers:
-        return f"needs a GPU session: {GPU_ENV}=1 on a CUDA machine (scripts/gpu_check.sh runs them)"
+        return (
+            f"needs a GPU session: {GPU_ENV}=1 on a CUDA machine (scripts/gpu_check.sh runs them)"
+        )
     return None
