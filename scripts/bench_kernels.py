@@ -431,6 +431,23 @@ def gpu_cases() -> list[dict]:
     return cases
 
 
+def quick_cases() -> list[dict]:
+    """A minute's subset of gpu_cases for scripts/gpu_check.sh: decode at 1..256 sequences and
+    contexts up to 32k for both GQA geometries, with and without split-K, a prefill, mixed steps."""
+    cases: list[dict] = []
+    for heads in ({}, QWEN_HEADS):
+        for batch, context in ((1, 32768), (8, 8192), (64, 2048), (256, 4096)):
+            cases.append(dict(kind="decode", q_lens=[1] * batch, kv_lens=[context] * batch,
+                              num_splits=None, **heads))  # fmt: skip
+        cases.append(dict(kind="decode", q_lens=[1] * 8, kv_lens=[8192] * 8, num_splits=1,
+                          **heads))  # fmt: skip
+        cases.append(dict(kind="prefill", q_lens=[2048] * 2, kv_lens=[6144] * 2,
+                          num_splits=None, **heads))  # fmt: skip
+        cases.append(dict(kind="mixed", q_lens=[1] * 64 + [1024, 1024],
+                          kv_lens=[2048] * 64 + [1024, 3072], num_splits=None, **heads))  # fmt: skip
+    return cases
+
+
 def smoke_cases() -> list[dict]:
     """Tiny cases for the interpreter (head_dim 64, 4:2 unless a case says otherwise)."""
     return [
@@ -701,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile-only", action="store_true", help="compile for sm_90 and report registers"
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="GPU: a one-minute subset (scripts/gpu_check.sh)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     args = parser.parse_args(argv)
@@ -729,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16) if args.smoke else {}
     rows: list[Result] = []
     start = time.perf_counter()
-    for case in smoke_cases() if args.smoke else gpu_cases():
+    cases = smoke_cases() if args.smoke else quick_cases() if args.quick else gpu_cases()
+    for case in cases:
         rows.append(
             bench_attention(
                 kernels, reference, timer, copy_bw, dtype=dtype, device=device, **{**shape, **case}
@@ -739,6 +760,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         rows.append(bench_store_kv(kernels, reference, timer, copy_bw, 8, dtype, device))
         rows.append(bench_copy_blocks(kernels, reference, timer, copy_bw, 2, 1, dtype, device))
+    elif args.quick:
+        rows.append(bench_store_kv(kernels, reference, timer, copy_bw, 16384, dtype, device))
+        rows.append(bench_copy_blocks(kernels, reference, timer, copy_bw, 64, 32, dtype, device))
     else:
         for num_tokens in (64, 1024, 16384, 131072):
             rows.append(
