@@ -626,6 +626,27 @@ def compile_only() -> int:
             num_warps=4,
         ),
     )
+    sk_sampler = kernel_module("sampler")
+    report(
+        "sampler uniform_noise",
+        lambda: compile_like_jit(
+            sk_sampler._uniform_noise_kernel,
+            dict(state_ptr="*i64", ids_ptr="*i64", out_ptr="*fp32"),
+            dict(num_ids=7, stride_ids=0),
+            dict(BLOCK=sk_sampler._BLOCK),
+            num_warps=4,
+        ),
+    )
+    report(
+        "sampler race_draw",
+        lambda: compile_like_jit(
+            sk_sampler._race_draw_kernel,
+            dict(logits_ptr="*fp32", temperature_ptr="*fp32", state_ptr="*i64", out_ptr="*i64"),
+            dict(vocab_size=152064, stride_row=152064),
+            dict(BLOCK=sk_sampler._BLOCK),
+            num_warps=4,
+        ),
+    )
     kv_ints = dict(
         stride_kt=3072,
         stride_kh=128,
