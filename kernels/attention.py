@@ -30,7 +30,7 @@ _LOG2E = 1.4426950408889634
 # Split-K heuristics (num_splits=None): split only decode-only steps whose 2D grid would not
 # fill the GPU, give each split at least this many keys, and use at most this many splits.
 _MIN_KEYS_PER_SPLIT = 256
-_MAX_SPLITS = 16
+_MAX_SPLITS = 64  # 28:4 at one sequence: 4 KV heads x 64 splits = 256 programs on 132 SMs
 
 
 @triton.jit
@@ -103,6 +103,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,  # 1: write out directly; > 1: write partials for the merge
     DOT_DTYPE: tl.constexpr,  # dtype of tl.dot operands (fp32 for fp32 input and interpreted bf16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (GPU default is TF32); else None
+    ONE_QUERY_PER_SEQ: tl.constexpr = False,  # every sequence has one query token; BLOCK_Q == 1
 ):
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(TILE_N >= 16)
@@ -113,10 +114,14 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q)
+    if ONE_QUERY_PER_SEQ:  # a decode launch: program pid serves sequence pid (grid = B)
+        seq = pid
+        q_block = 0
+    else:
+        seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q)
+        q_block = pid - (tl.load(cu_seqlens_q_ptr + seq) // BLOCK_Q + seq)  # within the sequence
     q_first = tl.load(cu_seqlens_q_ptr + seq)  # first query token of the sequence in q
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_first
-    q_block = pid - (q_first // BLOCK_Q + seq)  # query block within the sequence
     if q_block * BLOCK_Q >= q_len:
         return  # slack of the upper-bound grid
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -432,9 +437,13 @@ def _launch(
     block_m, tile_n, num_warps, num_stages = _launch_config(
         max_seqlen_q, group, fp32_dot=q.dtype == torch.float32
     )
-    block_q = max(1, block_m // group)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    num_q_blocks = num_tokens // block_q + num_seqs  # upper bound, see _find_sequence
+    decode = max_seqlen_q == 1
+    if decode:  # one program per sequence: no search, no idle programs in the grid
+        block_q, num_q_blocks = 1, num_seqs
+    else:
+        block_q = max(1, block_m // group)
+        num_q_blocks = num_tokens // block_q + num_seqs  # upper bound, see _find_sequence
 
     if num_splits is None:
         num_splits = choose_num_splits(
@@ -480,6 +489,7 @@ def _launch(
         NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
+        ONE_QUERY_PER_SEQ=decode,
         num_warps=num_warps,
         num_stages=num_stages,
     )

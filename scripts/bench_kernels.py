@@ -543,6 +543,8 @@ def compile_only() -> int:
     attention_variants = [
         ("bf16", 4, 128, 1, 1),
         ("bf16", 4, 128, 1, 4),
+        ("bf16", 7, 128, 1, 64),
+        ("bf16", 7, 128, 1024, 1),
         ("bf16", 4, 128, 17, 1),
         ("bf16", 4, 128, 512, 1),
         ("bf16", 1, 128, 1, 1),
@@ -599,12 +601,13 @@ def compile_only() -> int:
             NUM_QUERIES_PER_KV=group,
             BLOCK_SIZE=BLOCK_SIZE,
             BLOCK_M=block_m,
-            BLOCK_Q=max(1, block_m // group),
+            BLOCK_Q=1 if max_q == 1 else max(1, block_m // group),
             TILE_N=tile_n,
             BLOCK_D=block_d,
             NUM_SPLITS=splits,
             DOT_DTYPE=dot_dtype,
             DOT_PRECISION="ieee" if dtype == "fp32" else None,
+            ONE_QUERY_PER_SEQ=max_q == 1,
         )
         name = (
             f"paged_attention {dtype} G={group} D={head_dim} max_q={max_q} splits={splits} "
@@ -616,6 +619,16 @@ def compile_only() -> int:
                 pa._paged_attention_kernel, p, i, c, floats=("qk_scale",), num_warps=w, num_stages=s
             ),
         )
+    report(
+        "merge_splits bf16 S=64 D=128",
+        lambda: compile_like_jit(
+            pa._merge_splits_kernel,
+            dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16"),
+            dict(num_heads=28, head_dim=128, stride_ot=3584, stride_oh=128, stride_od=1),
+            dict(NUM_SPLITS=64, BLOCK_S=64, BLOCK_D=128),
+            num_warps=4,
+        ),
+    )
     report(
         "merge_splits bf16 S=5 D=128",
         lambda: compile_like_jit(

@@ -17,6 +17,8 @@ informative) and its figures. Checks:
   transformers ``generate`` (batches of 64 prompts, left padding, ``num_return_sequences=4``).
 - ``profile``: device-busy time against wall time over decode steps, and the top kernels.
 - ``variants``: binaries each Triton kernel compiled over the run (its JIT cache).
+- ``sampler``: the Triton sampler kernels on a 152k vocabulary: noise bit-identical to the
+  formula, tokens equal, both timed.
 
 Everything runs from a checkout: ``batchgen`` must be importable with ``batchgen.kernels``
 (gpu_check.sh lays out such a copy).
@@ -380,6 +382,7 @@ def triton_variants(device: Any) -> dict:
         ("attention", ("_paged_attention_kernel", "_merge_splits_kernel")),
         ("kv_store", ("_store_kv_kernel",)),
         ("block_copy", ("_copy_blocks_kernel",)),
+        ("sampler", ("_uniform_noise_kernel", "_race_draw_kernel")),
     ):
         mod = importlib.import_module(f"batchgen.kernels.{module}")
         for name in names:
@@ -390,6 +393,58 @@ def triton_variants(device: Any) -> dict:
                 continue
             found[name] = sum(len(entry[0]) for entry in caches.values())
     return found
+
+
+def check_sampler(device: Any, dry: bool) -> dict:
+    """The Triton sampler kernels on a real vocabulary: noise bit-identical to the formula (on
+    this device and on the CPU), the race's tokens equal to the formula's, and both timed."""
+    import torch
+
+    from batchgen.engine.noise import TORCH_FORMULA, row_state, uniform_at
+    from batchgen.engine.sampler import _draw_plain
+    from batchgen.kernels.sampler import race_draw, uniform_noise
+
+    rows, vocab = (4, 512) if dry else (256, 152064)
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 2**63 - 1, (rows,), generator=gen)
+    pos = torch.randint(0, 10_000, (rows,), generator=gen)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3.0).to(device)
+    temperature = torch.full((rows,), 0.8, device=device)
+    ids = torch.arange(vocab, device=device)[None, :]
+    k_dev, p_dev = keys.to(device), pos.to(device)
+    state = row_state(k_dev, p_dev)
+    noise = uniform_noise(state, ids, vocab)
+    formula = uniform_at(k_dev, p_dev, ids, TORCH_FORMULA)
+    cpu = uniform_at(keys[:4], pos[:4], ids.cpu(), TORCH_FORMULA)
+    bits = noise.view(torch.int32)
+    same_noise = torch.equal(bits, formula.view(torch.int32)) and torch.equal(
+        bits[:4].cpu(), cpu.view(torch.int32)
+    )
+    ours = race_draw(logits, temperature, state)
+    theirs = _draw_plain(logits, temperature, k_dev, p_dev, TORCH_FORMULA)
+    agree = int((ours == theirs).sum())
+    sync = _sync_fn(device)
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(5):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / 5 * 1e3
+
+    return {
+        "ok": same_noise and agree >= rows - 1,  # one near-tie flip allowed
+        "rows": rows,
+        "vocab": vocab,
+        "noise_bit_identical": same_noise,
+        "tokens_equal": agree,
+        "kernel_draw_ms": timed(lambda: race_draw(logits, temperature, row_state(k_dev, p_dev))),
+        "formula_draw_ms": timed(
+            lambda: _draw_plain(logits, temperature, k_dev, p_dev, TORCH_FORMULA)
+        ),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         work = Path(tmp)
         steps: list[tuple[str, Callable[[], dict]]] = [
+            ("sampler", lambda: check_sampler(device, args.cpu_dry_run)),
             ("parity", lambda: check_parity(geos, sizes, device, work)),
             ("throughput", lambda: check_throughput_and_profile(geos[0], sizes, device, work,
                                                                 args.cpu_dry_run)),

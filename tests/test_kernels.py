@@ -432,6 +432,9 @@ def test_choose_num_splits() -> None:
     # 5 wanted: rounded down to a power of two (one compiled variant per bucket).
     assert choose_num_splits(8, 8, max_seqlen_q=1, max_seqlen_k=100_000, sm_count=132) == 4
     assert choose_num_splits(1, 1, max_seqlen_q=1, max_seqlen_k=100, sm_count=132) == 1
+    # GQA 28:4 (4 KV heads) at one or two long sequences fills all 132 SMs of an H200.
+    for b in (1, 2):
+        assert b * 4 * choose_num_splits(b, 4, 1, max_seqlen_k=32768, sm_count=132) >= 132
     got = {
         choose_num_splits(b, h, 1, k, sm)
         for b in range(1, 70)
@@ -439,7 +442,7 @@ def test_choose_num_splits() -> None:
         for k in (1, 300, 1000, 5000, 40_000)
         for sm in (78, 132)
     }
-    assert got <= set(split_buckets()) and split_buckets() == [1, 2, 4, 8, 16]
+    assert got <= set(split_buckets()) and split_buckets() == [1, 2, 4, 8, 16, 32, 64]
 
 
 # --------------------------------------------------------------------------------------------
