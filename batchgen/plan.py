@@ -63,12 +63,29 @@ def resolve_placement(job: Job) -> Placement:
         backend = "triton" if device.type == "cuda" else "torch"
     else:
         backend = eng.attention_backend
+    _check_cuda_graphs(eng.cuda_graphs, device)
     if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise JobError(
             "engine.attention_backend is 'triton' on a CPU: set TRITON_INTERPRET=1 "
             "(slow, for testing) or use 'torch'"
         )
     return Placement(device, dtype, backend, reason)
+
+
+def _check_cuda_graphs(setting: str, device: torch.device) -> None:
+    """``engine.cuda_graphs``: ``auto`` and ``off`` run without graphs (``auto`` stays off until
+    graph-captured decode steps are verified on a GPU); ``on`` is refused with a clear error."""
+    if setting != "on":
+        return
+    if device.type != "cuda":
+        raise JobError(
+            f"engine.cuda_graphs is 'on' but the engine runs on {device}: CUDA graphs need a "
+            "CUDA device (use 'auto' or 'off')"
+        )
+    raise JobError(
+        "engine.cuda_graphs is 'on' but graph-captured decode steps are not available yet "
+        "(use 'auto' or 'off', which run without them)"
+    )
 
 
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:

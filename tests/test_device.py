@@ -64,3 +64,24 @@ def test_every_engine_step_runs_inside_the_guard(tiny_model, monkeypatch) -> Non
     generate(engine, random_prompts([3, 5]), SamplingParams(temperature=0.0, max_tokens=3))
     assert entered and entered == [engine.device] * engine.stats.steps
     assert device_mod.device_guard is device_guard  # the real guard is what the engine imports
+
+
+def test_cuda_graphs_on_is_refused_on_a_cpu(tiny_model, tmp_path) -> None:
+    from tests.jobkit import invoke, one_line, write_job
+
+    job = write_job(tmp_path, tiny_model("llama", num_layers=1), ["a b"],
+                    engine={"device": "cpu", "cuda_graphs": "on"})  # fmt: skip
+    line = one_line(invoke("run", job), 2, "engine.cuda_graphs", "'on'", "CUDA device")
+    assert "cpu" in line
+
+
+def test_cuda_graphs_reads_yaml_booleans(tmp_path) -> None:
+    """``cuda_graphs: off`` / ``on`` unquoted are YAML booleans; they mean the words."""
+    from batchgen.job import load_job
+    from tests.jobkit import write_job_file
+
+    for text, want in (("off", "off"), ("on", "on"), ("auto", "auto")):
+        job = {"model": "m", "input": {"path": "p.parquet"}, "output": {"path": "o"}}
+        path = write_job_file(tmp_path, job)
+        path.write_text(path.read_text() + f"engine:\n  cuda_graphs: {text}\n")
+        assert load_job(path).engine.cuda_graphs == want
