@@ -17,6 +17,7 @@ from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import Request, SampleResult, Sequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
+from batchgen.engine.staging import Staging
 from batchgen.engine.stop import StopStrings
 from batchgen.model import cpu_kernels
 from batchgen.model.config import ModelInfo
@@ -108,6 +109,7 @@ class Engine:
         )
         self.stats = EngineStats()
         self.num_heads = info.num_heads
+        self.staging = Staging(device)
         if config.attention_backend == "triton" and device.type == "cuda":
             self.warm_up()
 
@@ -147,7 +149,7 @@ class Engine:
                 torch.tensor(src, dtype=torch.int64, device=self.device),
                 torch.tensor(dst, dtype=torch.int64, device=self.device),
             )
-        step = build_step(batch, self.config.block_size, self.device)
+        step = build_step(batch, self.config.block_size, self.device, self.staging)
         draws: list[list[Draw]] = []
         if len(step.logits_indices):
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
