@@ -63,7 +63,7 @@ def resolve_placement(job: Job) -> Placement:
         backend = "triton" if device.type == "cuda" else "torch"
     else:
         backend = eng.attention_backend
-    _check_cuda_graphs(eng.cuda_graphs, device)
+    _check_cuda_graphs(eng.cuda_graphs, device, backend)
     if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise JobError(
             "engine.attention_backend is 'triton' on a CPU: set TRITON_INTERPRET=1 "
@@ -72,9 +72,9 @@ def resolve_placement(job: Job) -> Placement:
     return Placement(device, dtype, backend, reason)
 
 
-def _check_cuda_graphs(setting: str, device: torch.device) -> None:
-    """``engine.cuda_graphs``: ``auto`` and ``off`` run without graphs (``auto`` stays off until
-    graph-captured decode steps are verified on a GPU); ``on`` is refused with a clear error."""
+def _check_cuda_graphs(setting: str, device: torch.device, backend: str) -> None:
+    """``engine.cuda_graphs``: ``off`` and ``auto`` run without graphs (``auto`` stays off until
+    graph-captured decode steps are verified on a GPU); ``on`` needs CUDA and triton."""
     if setting != "on":
         return
     if device.type != "cuda":
@@ -82,10 +82,8 @@ def _check_cuda_graphs(setting: str, device: torch.device) -> None:
             f"engine.cuda_graphs is 'on' but the engine runs on {device}: CUDA graphs need a "
             "CUDA device (use 'auto' or 'off')"
         )
-    raise JobError(
-        "engine.cuda_graphs is 'on' but graph-captured decode steps are not available yet "
-        "(use 'auto' or 'off', which run without them)"
-    )
+    if backend != "triton":
+        raise JobError("engine.cuda_graphs is 'on': it needs engine.attention_backend triton")
 
 
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
@@ -229,6 +227,7 @@ def engine_config(job: Job, place: Placement, num_blocks: int, length: int) -> E
         max_model_len=length,
         prefix_caching=eng.prefix_caching,
         attention_backend=place.backend,
+        cuda_graphs=eng.cuda_graphs == "on",  # auto: off until verified on a GPU
     )
 
 

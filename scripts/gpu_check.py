@@ -17,6 +17,7 @@ informative) and its figures. Checks:
   transformers ``generate`` (batches of 64 prompts, left padding, ``num_return_sequences=4``).
 - ``profile``: device-busy time against wall time over decode steps, and the top kernels.
 - ``variants``: binaries each Triton kernel compiled over the run (its JIT cache).
+- ``graphs``: ``engine.cuda_graphs`` on against off: the same greedy tokens, decode time.
 - ``sampler``: the Triton sampler kernels on a 152k vocabulary: noise bit-identical to the
   formula, tokens equal, both timed.
 
@@ -127,7 +128,8 @@ def random_prompts(count: int, vocab: int, lo: int, hi: int, seed: int) -> list[
 
 
 def make_engine(model_dir: Path, device: Any, dtype: Any, num_blocks: int | None = None,
-                max_num_seqs: int = 256, max_tokens_per_step: int = 8192) -> Any:  # fmt: skip
+                max_num_seqs: int = 256, max_tokens_per_step: int = 8192,
+                cuda_graphs: bool = False) -> Any:  # fmt: skip
     """A Triton-backend engine (as the runner builds it), KV sized as ``auto`` does on CUDA."""
     import torch
 
@@ -157,6 +159,7 @@ def make_engine(model_dir: Path, device: Any, dtype: Any, num_blocks: int | None
         max_num_batched_tokens=max_tokens_per_step,
         max_model_len=min(info.max_model_len, num_blocks * 16),
         attention_backend="triton",
+        cuda_graphs=cuda_graphs,
     )
     start = time.perf_counter()
     engine = Engine(model, info, config, device=device, dtype=dtype)  # warms up on CUDA
@@ -447,6 +450,39 @@ def check_sampler(device: Any, dry: bool) -> dict:
     }
 
 
+def check_graphs(geo: Geometry, sizes: Sizes, device: Any, work: Path, dry: bool) -> dict:
+    """engine.cuda_graphs on against off: the same greedy tokens (fp32 and bf16), decode speed."""
+    import torch
+
+    if dry:
+        return {"ok": None, "skipped": "CUDA graphs need CUDA (tests/test_staging.py runs the "
+                "padded static-buffer path eagerly)"}  # fmt: skip
+    folder = work / geo.name
+    if not (folder / "config.json").exists():
+        make_model(folder, geo, sizes.layers, device)
+    prompts = random_prompts(48, geo.vocab, 8, 300, seed=3)  # 48 rows: buckets 32 and 48
+    result: dict[str, Any] = {"ok": True}
+    for dtype in (torch.float32, torch.bfloat16):
+        runs = {}
+        for graphs in (False, True):
+            engine = make_engine(folder, device, dtype, num_blocks=4096, max_num_seqs=48,
+                                 cuda_graphs=graphs)  # fmt: skip
+            out, seconds = run_engine(engine, prompts, 1, 32, 0.0)
+            runs[graphs] = (out, seconds, engine.sizing.get("engine_start_s"))
+            del engine
+            torch.cuda.empty_cache()
+        same = sum(runs[True][0][k] == v for k, v in runs[False][0].items())
+        name = str(dtype).removeprefix("torch.")
+        result[name] = dict(identical_samples=same, samples=len(prompts),
+                            eager_s=runs[False][1], graphs_s=runs[True][1],
+                            graphs_start_s=runs[True][2])  # fmt: skip
+        # padding rows change GEMM shapes: bf16 may flip near ties, fp32 should not
+        result["ok"] = result["ok"] and same >= (
+            len(prompts) if name == "float32" else 0.8 * len(prompts)
+        )
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -482,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             ("parity", lambda: check_parity(geos, sizes, device, work)),
             ("throughput", lambda: check_throughput_and_profile(geos[0], sizes, device, work,
                                                                 args.cpu_dry_run)),
+            ("graphs", lambda: check_graphs(geos[0], sizes, device, work, args.cpu_dry_run)),
         ]  # fmt: skip
         for name, fn in steps:
             start = time.perf_counter()

@@ -45,3 +45,26 @@ def test_staged_steps_equal_unstaged_ones(tiny_model, monkeypatch) -> None:
     generate(engine, random_prompts([1, 4, 9, 17, 30]), params)
     assert len(compared) == engine.stats.steps
     assert any(0 < n for n in compared)  # decode rows, mixed steps among them
+
+
+def test_padded_decode_graph_steps_match_eager_ones(tiny_model) -> None:
+    """The static-buffer decode path of engine.cuda_graphs, run eagerly (capture=False): padding
+    rows to the bucket (slot -1, one key) changes no real row's tokens."""
+    from batchgen.engine.cuda_graphs import DecodeGraphs, graph_buckets
+
+    assert graph_buckets(6) == [1, 2, 4, 6] and graph_buckets(8) == [1, 2, 4, 8]
+    model = tiny_model("llama", num_layers=1)
+    prompts = random_prompts([2, 5, 9, 3, 7])
+    params = SamplingParams(temperature=0.0, max_tokens=6)  # 5 sequences: bucket 8
+    want = generate(make_engine(model, "triton", max_num_seqs=8), prompts, params)
+    engine = make_engine(model, "triton", max_num_seqs=8)
+    engine.graphs = DecodeGraphs(
+        engine.model, engine.kv_cache, block_size=engine.config.block_size, max_num_seqs=8,
+        max_model_len=engine.config.max_model_len, device=engine.device, capture=False,
+    )  # fmt: skip
+    used: list[int] = []
+    run = engine.graphs.run
+    engine.graphs.run = lambda step: (used.append(step.input_ids.shape[0]), run(step))[1]
+    got = generate(engine, prompts, params)
+    assert {k: r.token_ids for k, r in got.items()} == {k: r.token_ids for k, r in want.items()}
+    assert used and any(n not in (1, 2, 4, 8) for n in used)  # some steps were padded

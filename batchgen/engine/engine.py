@@ -10,6 +10,7 @@ import torch
 
 from batchgen.engine.batch import build_step
 from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.device import device_guard
 from batchgen.engine.grammar import apply_masks
 from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels
@@ -32,6 +33,7 @@ class EngineConfig:
     max_model_len: int
     prefix_caching: bool = True
     attention_backend: str = "torch"  # "torch" | "triton": also picks the block-copy function
+    cuda_graphs: bool = False  # decode-only steps from CUDA graphs (needs CUDA and triton)
 
 
 @dataclass
@@ -112,6 +114,20 @@ class Engine:
         self.staging = Staging(device)
         if config.attention_backend == "triton" and device.type == "cuda":
             self.warm_up()
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs:
+            if device.type != "cuda" or config.attention_backend != "triton":
+                raise ValueError("cuda_graphs needs a CUDA device and the triton backend")
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_cache,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                device=device,
+            )
+            with device_guard(device):
+                self.graphs.capture_all()
 
     def warm_up(self) -> int:
         """Compile every attention variant a run can launch now, not mid-run (Triton backend;
@@ -152,7 +168,10 @@ class Engine:
         step = build_step(batch, self.config.block_size, self.device, self.staging)
         draws: list[list[Draw]] = []
         if len(step.logits_indices):
-            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+            if self.graphs is not None and self.graphs.supports(step):
+                hidden = self.graphs.run(step)
+            else:
+                hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
             logits = self.model.compute_logits(hidden[step.logits_indices])
             draws = self._sample(batch, logits)
             self.stats.sampled_tokens += len(step.logits_indices)
