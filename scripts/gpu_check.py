@@ -79,7 +79,7 @@ class Sizes:
     profile_steps: int
 
 
-GPU_SIZES = Sizes(2, 8, 32, 256, 4, 64, 500, 64, 20)
+GPU_SIZES = Sizes(2, 8, 32, 128, 4, 64, 500, 64, 20)
 DRY_SIZES = Sizes(1, 3, 5, 4, 2, 4, 40, 2, 3)
 
 

@@ -12,7 +12,8 @@
 #   echo /.whl/ >> .git/info/exclude; scripts/gpu_check.sh --download-wheels .whl
 # and carry that folder. They are installed with --no-index into a private folder.
 #
-# Steps (each one's status goes into OUT_DIR/summary.json; a failed step does not stop the rest):
+# Steps (each one's status goes into OUT_DIR/summary.json; a failed step does not stop the rest;
+# STEPS="kernels checks" runs only those):
 #   1. tests: the GPU session (BATCHGEN_TEST_GPU=1): the kernel tests compiled, not interpreted,
 #      plus the gpu-marked tests (fp32 exact and bf16 statistical parity through the CLI, int64
 #      offsets, the CUDA sampler) -> pytest.log, pytest.xml
@@ -68,9 +69,15 @@ fi
 cd "$WORK/repo" || exit 2
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
+STEPS="${STEPS:-tests kernels checks}"  # e.g. STEPS=checks for a rerun of one step
+
 run_step() {  # name, log file (- for none), then the command
     local name="$1" log="$2"
     shift 2
+    if [[ " $STEPS " != *" $name "* ]]; then
+        STATUS[$name]="skipped"
+        return
+    fi
     local start=$SECONDS rc
     echo "=== $name: $*"
     if [[ "$log" == "-" ]]; then
