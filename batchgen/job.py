@@ -345,6 +345,15 @@ class EngineConfig(_Section):
     max_model_len: int | None = Field(default=None, ge=1)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     prefix_caching: bool = True
+    cuda_graphs: Literal["auto", "on", "off"] = "off"
+
+    @field_validator("cuda_graphs", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare ``on`` / ``off`` as a boolean."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
 
     @field_validator("device")
     @classmethod

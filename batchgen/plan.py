@@ -30,6 +30,7 @@ from batchgen.results import read_manifest
 CPU_KV_CACHE_CAP = 1 << 30  # bytes: "auto" never takes more than this on a CPU
 CPU_KV_CACHE_SHARE = 0.25  # of available memory, for "auto" on a CPU
 GPU_KV_CACHE_SHARE = 0.85  # of free device memory after the model is loaded
+GPU_RESERVE_SHARE = 0.04  # of total device memory kept free (allocator fragmentation, CUDA ctx)
 DEFAULT_CPU_MEMORY = 8 << 30  # assumed available where /proc/meminfo cannot be read
 
 
@@ -62,12 +63,27 @@ def resolve_placement(job: Job) -> Placement:
         backend = "triton" if device.type == "cuda" else "torch"
     else:
         backend = eng.attention_backend
+    _check_cuda_graphs(eng.cuda_graphs, device, backend)
     if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise JobError(
             "engine.attention_backend is 'triton' on a CPU: set TRITON_INTERPRET=1 "
             "(slow, for testing) or use 'torch'"
         )
     return Placement(device, dtype, backend, reason)
+
+
+def _check_cuda_graphs(setting: str, device: torch.device, backend: str) -> None:
+    """``engine.cuda_graphs``: ``off`` and ``auto`` run without graphs (``auto`` stays off until
+    graph-captured decode steps are verified on a GPU); ``on`` needs CUDA and triton."""
+    if setting != "on":
+        return
+    if device.type != "cuda":
+        raise JobError(
+            f"engine.cuda_graphs is 'on' but the engine runs on {device}: CUDA graphs need a "
+            "CUDA device (use 'auto' or 'off')"
+        )
+    if backend != "triton":
+        raise JobError("engine.cuda_graphs is 'on': it needs engine.attention_backend triton")
 
 
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
@@ -127,14 +143,41 @@ def _available_memory(device: torch.device) -> int:
     return DEFAULT_CPU_MEMORY
 
 
-def plan_num_blocks(job: Job, info: ModelInfo, place: Placement) -> int:
-    """KV blocks for the pool: kv_cache_blocks, else kv_cache_memory, else a share of free memory."""
+def cuda_kv_budget(free: int, total: int, activation_peak: int) -> int:
+    """Bytes ``kv_cache_memory: auto`` gives the KV cache on a CUDA device.
+
+    ``free``: ``torch.cuda.mem_get_info`` after the model is loaded and the allocator's cache was
+    emptied (so the weights, and whatever other processes hold, are already taken out);
+    ``activation_peak``: what the worst step allocates on top (:func:`measure_activation_peak`);
+    a reserve of ``GPU_RESERVE_SHARE`` of the device stays free. Never negative.
+    """
+    return max(0, free - activation_peak - int(total * GPU_RESERVE_SHARE))
+
+
+def _cuda_free_after_empty_cache(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of ``device`` once the caching allocator has returned what it holds
+    unused (the weights' loading leaves freed halves of fused projections cached)."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
+
+
+def plan_num_blocks(
+    job: Job, info: ModelInfo, place: Placement, model: torch.nn.Module | None = None
+) -> int:
+    """KV blocks for the pool: kv_cache_blocks, else kv_cache_memory, else a share of free memory.
+
+    On CUDA with ``kv_cache_memory: auto``, ``model`` (the loaded model) lets the step's
+    activation peak be measured first; without it (``validate``) a share of free memory is
+    planned instead.
+    """
     eng = job.engine
     block_bytes = info.kv_bytes_per_token(place.dtype) * eng.block_size
     if eng.kv_cache_blocks is not None:
         return eng.kv_cache_blocks
     if eng.kv_cache_memory != "auto":
         blocks = int(eng.kv_cache_memory) // block_bytes
+    elif place.device.type == "cuda" and model is not None:
+        blocks = _cuda_auto_blocks(job, info, place, model) // block_bytes
     elif place.device.type == "cuda":
         blocks = int(_available_memory(place.device) * GPU_KV_CACHE_SHARE) // block_bytes
     else:
@@ -145,6 +188,24 @@ def plan_num_blocks(job: Job, info: ModelInfo, place: Placement) -> int:
             f"engine.kv_cache_memory leaves no room for one KV block ({block_bytes} bytes)"
         )
     return blocks
+
+
+def _cuda_auto_blocks(job: Job, info: ModelInfo, place: Placement, model: torch.nn.Module) -> int:
+    """``cuda_kv_budget`` with the activation peak measured on the loaded model."""
+    from batchgen.engine.memory import measure_activation_peak
+
+    eng = job.engine
+    peak = measure_activation_peak(
+        model,
+        info,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        max_num_seqs=eng.max_num_seqs,
+        block_size=eng.block_size,
+        device=place.device,
+        dtype=place.dtype,
+    )
+    free, total = _cuda_free_after_empty_cache(place.device)
+    return cuda_kv_budget(free, total, peak)
 
 
 def max_model_len(job: Job, info: ModelInfo, num_blocks: int) -> int:
@@ -166,6 +227,7 @@ def engine_config(job: Job, place: Placement, num_blocks: int, length: int) -> E
         max_model_len=length,
         prefix_caching=eng.prefix_caching,
         attention_backend=place.backend,
+        cuda_graphs=eng.cuda_graphs == "on",  # auto: off until verified on a GPU
     )
 
 

@@ -30,7 +30,7 @@ _LOG2E = 1.4426950408889634
 # Split-K heuristics (num_splits=None): split only decode-only steps whose 2D grid would not
 # fill the GPU, give each split at least this many keys, and use at most this many splits.
 _MIN_KEYS_PER_SPLIT = 256
-_MAX_SPLITS = 16
+_MAX_SPLITS = 64  # 28:4 at one sequence: 4 KV heads x 64 splits = 256 programs on 132 SMs
 
 
 @triton.jit
@@ -56,7 +56,15 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# Per-step integers are not specialised (a value of 1 or a multiple of 16 would otherwise make a
+# new binary mid-run): the sequence count and the block-table width change every step. Nor is
+# the alignment of the per-sequence metadata, which a mixed step passes as offset views (read
+# with scalar loads, alignment buys nothing there).
+_PER_STEP_INTS = ["num_seqs", "stride_bt"]
+_PER_STEP_POINTERS = ["block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr"]
+
+
+@triton.jit(do_not_specialize=_PER_STEP_INTS, do_not_specialize_on_alignment=_PER_STEP_POINTERS)
 def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -95,6 +103,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,  # 1: write out directly; > 1: write partials for the merge
     DOT_DTYPE: tl.constexpr,  # dtype of tl.dot operands (fp32 for fp32 input and interpreted bf16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (GPU default is TF32); else None
+    ONE_QUERY_PER_SEQ: tl.constexpr = False,  # every sequence has one query token; BLOCK_Q == 1
 ):
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(TILE_N >= 16)
@@ -105,10 +114,14 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q)
+    if ONE_QUERY_PER_SEQ:  # a decode launch: program pid serves sequence pid (grid = B)
+        seq = pid
+        q_block = 0
+    else:
+        seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q)
+        q_block = pid - (tl.load(cu_seqlens_q_ptr + seq) // BLOCK_Q + seq)  # within the sequence
     q_first = tl.load(cu_seqlens_q_ptr + seq)  # first query token of the sequence in q
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_first
-    q_block = pid - (q_first // BLOCK_Q + seq)  # query block within the sequence
     if q_block * BLOCK_Q >= q_len:
         return  # slack of the upper-bound grid
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -247,6 +260,12 @@ def _device_sm_count(device: torch.device) -> int:
     return 128
 
 
+def split_buckets() -> list[int]:
+    """Every value :func:`choose_num_splits` returns: the powers of two up to ``_MAX_SPLITS``
+    (NUM_SPLITS is a constexpr, one binary per value; warm-up compiles these)."""
+    return [1 << i for i in range(_MAX_SPLITS.bit_length()) if 1 << i <= _MAX_SPLITS]
+
+
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, sm_count: int
 ) -> int:
@@ -255,14 +274,16 @@ def choose_num_splits(
     Split only decode-only steps (``max_seqlen_q == 1``, so one program per sequence and KV
     head) whose ``num_seqs * Hkv`` programs would leave SMs idle; aim at about two programs per
     SM, and never give a split fewer than ``_MIN_KEYS_PER_SPLIT`` keys, below which the extra
-    partial writes and the merge cost more than the parallelism gains.
+    partial writes and the merge cost more than the parallelism gains. The result is a power of
+    two (rounded down), so a long job compiles at most ``len(split_buckets())`` variants.
     """
     programs = num_seqs * num_kv_heads
     if max_seqlen_q != 1 or programs >= sm_count:
         return 1
     wanted = triton.cdiv(2 * sm_count, programs)
     by_length = max(1, max_seqlen_k // _MIN_KEYS_PER_SPLIT)
-    return max(1, min(_MAX_SPLITS, wanted, by_length))
+    splits = max(1, min(_MAX_SPLITS, wanted, by_length))
+    return 1 << (splits.bit_length() - 1)
 
 
 def _launch_config(max_seqlen_q: int, group: int, fp32_dot: bool) -> tuple[int, int, int, int]:
@@ -301,6 +322,7 @@ def paged_attention(
     max_seqlen_k: int,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    num_decode_seqs: int = 0,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over the paged cache; returns ``out [T, Hq, D]`` in q's dtype.
 
@@ -317,6 +339,9 @@ def paged_attention(
         out: optional ``[T, Hq, D]`` output (any strides, q's dtype).
         num_splits: key-range splits; None chooses (split-K only for decode-only steps with few
             sequences), 1 forces the single-pass kernel, > 1 forces split-K with that many.
+        num_decode_seqs: host-side promise that the first ``num_decode_seqs`` sequences have one
+            query token each; in a mixed step they are launched apart, with the decode launch
+            configuration (0: one launch for the whole step).
 
     Query token i of sequence b sits at position ``seq_lens[b] - q_len_b + i`` and attends to
     keys at positions ``<=`` that. Softmax and accumulation are in fp32.
@@ -363,7 +388,43 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_launchable(_paged_attention_kernel, q)
+    if not 0 <= num_decode_seqs <= num_seqs:
+        raise ValueError(f"num_decode_seqs must be in [0, {num_seqs}], got {num_decode_seqs}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    nd = num_decode_seqs
+    if 0 < nd < num_seqs and max_seqlen_q > 1:
+        # A mixed step: the leading decodes get the decode configuration (small M, split-K),
+        # the rest the prefill one. Views only, plus one tiny shift of cu_seqlens_q; no sync.
+        common = (k_cache, v_cache, scale, max_seqlen_k, num_splits)
+        _launch(q[:nd], block_tables[:nd], cu_seqlens_q[: nd + 1], seq_lens[:nd], 1, out[:nd],
+                *common)  # fmt: skip
+        _launch(q[nd:], block_tables[nd:], cu_seqlens_q[nd:] - nd, seq_lens[nd:], max_seqlen_q,
+                out[nd:], *common)  # fmt: skip
+        return out
+    _launch(q, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, out,
+            k_cache, v_cache, scale, max_seqlen_k, num_splits)  # fmt: skip
+    return out
 
+
+def _launch(
+    q: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    max_seqlen_k: int,
+    num_splits: int | None,
+) -> None:
+    """Launch the attention kernel (and the merge) with one configuration for all of q's
+    sequences (checked arguments; ``cu_seqlens_q[0] == 0``)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
     # The interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): use fp32 operands.
     # fp32 input stays fp32 with IEEE products rather than the GPU's default TF32.
     interpreted_bf16 = q.dtype == torch.bfloat16 and is_interpreted(_paged_attention_kernel)
@@ -376,16 +437,18 @@ def paged_attention(
     block_m, tile_n, num_warps, num_stages = _launch_config(
         max_seqlen_q, group, fp32_dot=q.dtype == torch.float32
     )
-    block_q = max(1, block_m // group)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    num_q_blocks = num_tokens // block_q + num_seqs  # upper bound, see _find_sequence
+    decode = max_seqlen_q == 1
+    if decode:  # one program per sequence: no search, no idle programs in the grid
+        block_q, num_q_blocks = 1, num_seqs
+    else:
+        block_q = max(1, block_m // group)
+        num_q_blocks = num_tokens // block_q + num_seqs  # upper bound, see _find_sequence
 
     if num_splits is None:
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k, _device_sm_count(q.device)
         )
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     if num_splits == 1:
         part_out = part_lse = out  # unused placeholders
@@ -426,6 +489,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
+        ONE_QUERY_PER_SEQ=decode,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -442,7 +506,6 @@ def paged_attention(
             BLOCK_D=block_d,
             num_warps=4,
         )
-    return out
 
 
-__all__ = ["choose_num_splits", "paged_attention"]
+__all__ = ["choose_num_splits", "paged_attention", "split_buckets"]

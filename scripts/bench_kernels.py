@@ -4,12 +4,17 @@
     python scripts/bench_kernels.py --smoke                           # CPU interpreter, tiny
     python scripts/bench_kernels.py --compile-only                    # no GPU: sm_90 compiles
 
+It runs from a checkout as it is (no ``pip install``: the kernels import nothing of batchgen, so
+the checkout's ``kernels/`` package is imported directly); only torch and triton are needed.
+
 Each case is first checked against the PyTorch reference (on a sample of its sequences), then
 timed with ``triton.testing.do_bench``. Decode attention is bandwidth bound, so a case reports
 the bytes it must move (every K/V byte of every sequence read once, plus q, out and block
 tables) divided by its time, and that figure as a fraction of the device's copy bandwidth
 (measured in the same run: a large tensor copy, read plus write bytes). Prefill also reports
-TFLOP/s. The reference is timed only on small cases.
+TFLOP/s. The reference is timed only on small cases. Cases cover GQA 32:8 (Llama-3-8B) and 28:4
+(Qwen2.5-7B, G = 7). Every cache slot no sequence uses, and the spare block that block-table
+padding points at, hold NaN: a read the kernel should not make shows up as a non-finite output.
 
 ``--compile-only`` compiles every launch configuration for sm_90 (through ptxas, no GPU needed)
 and prints registers and spills per kernel; the test suite runs it to catch code that the
@@ -34,13 +39,27 @@ from types import ModuleType
 
 import torch
 
-# Realistic Llama-3-8B-like attention shapes.
+REPO = Path(__file__).resolve().parents[1]
+# The checkout's kernels when run from one (as `kernels`), else the installed batchgen.kernels.
+if (REPO / "kernels" / "__init__.py").is_file():
+    sys.path.insert(0, str(REPO))
+    KERNELS_PACKAGE = "kernels"
+else:
+    KERNELS_PACKAGE = "batchgen.kernels"
+
+# Realistic Llama-3-8B-like attention shapes (the default; cases may set other head counts).
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+QWEN_HEADS = dict(num_heads=28, num_kv_heads=4)  # Qwen2.5-7B: G = 7
 # Reference timing and full-batch reference checks only below this many cached tokens.
 REF_MAX_TOKENS = 16_384
 REF_SAMPLE_SEQS = 8
 
 Timer = Callable[[Callable[[], object]], float]  # milliseconds per call of a thunk
+
+
+def kernel_module(name: str = "") -> ModuleType:
+    """The kernels package (``name`` empty) or one of its modules, e.g. ``attention``."""
+    return importlib.import_module(KERNELS_PACKAGE + (f".{name}" if name else ""))
 
 
 @dataclass
@@ -121,6 +140,11 @@ class Batch:
             max(self.kv_lens),
         )
 
+    @property
+    def num_decodes(self) -> int:
+        """Leading sequences with one query token (launched apart in a mixed step)."""
+        return next((i for i, n in enumerate(self.q_lens) if n != 1), len(self.q_lens))
+
     def subset(self, seqs: list[int]) -> Batch:
         """The same step restricted to some sequences (for a cheaper reference check)."""
         q_starts = self.cu_seqlens_q.tolist()
@@ -150,11 +174,13 @@ def make_batch(
     head_dim: int = HEAD_DIM,
     block_size: int = BLOCK_SIZE,
 ) -> Batch:
-    """Random q and K/V; every sequence gets its own blocks from a random permutation."""
+    """Random q and K/V; every sequence gets its own blocks from a random permutation. Slots
+    past a sequence's length, and the spare block that table padding points at, are NaN."""
     blocks = [math.ceil(n / block_size) for n in kv_lens]
     num_blocks = sum(blocks) + 1
     perm = torch.randperm(num_blocks, device=device).to(torch.int32)
-    table = torch.zeros(len(kv_lens), max(blocks), dtype=torch.int32, device=device)
+    spare = perm[-1:]  # [1]: every padding entry of the table points here
+    table = spare.repeat(len(kv_lens), max(blocks))  # [B, max_blocks]
     start = 0
     for b, n in enumerate(blocks):
         table[b, :n] = perm[start : start + n]
@@ -162,6 +188,20 @@ def make_batch(
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, dtype=dtype, device=device)
     v_cache = torch.randn(shape, dtype=dtype, device=device)
+    nan = float("nan")
+    k_cache[spare.long()] = nan
+    v_cache[spare.long()] = nan
+    tails = [(b, n % block_size) for b, n in enumerate(kv_lens) if n % block_size]
+    if tails:
+        last = torch.tensor([int(blocks[b]) - 1 for b, _ in tails], device=device)
+        last_blocks = table[torch.tensor([b for b, _ in tails], device=device), last].long()
+        filled = torch.tensor([f for _, f in tails], device=device)
+        unused = torch.arange(block_size, device=device)[None, :] >= filled[:, None]  # [n, bs]
+        k_tail, v_tail = k_cache[last_blocks], v_cache[last_blocks]  # [n, bs, Hkv, D]
+        k_tail[unused] = nan
+        v_tail[unused] = nan
+        k_cache[last_blocks] = k_tail
+        v_cache[last_blocks] = v_tail
     q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
     cu = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device)
     seq_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
@@ -201,7 +241,9 @@ def check_attention(
         batch = batch.subset(
             sorted({int(i * step) for i in range(REF_SAMPLE_SEQS)} | {num_seqs - 1})
         )
-    actual = kernels.paged_attention(*batch.args(), num_splits=num_splits).float()
+    actual = kernels.paged_attention(
+        *batch.args(), num_splits=num_splits, num_decode_seqs=batch.num_decodes
+    ).float()
     expected = reference.paged_attention_ref(*batch.args()).float()
     err = (actual - expected).abs().max().item()
     if not math.isfinite(err) or err > 5e-2:
@@ -226,11 +268,15 @@ def bench_attention(
     batch = make_batch(q_lens, kv_lens, dtype, device, **shape)
     err = check_attention(kernels, reference, batch, num_splits)
     out = torch.empty_like(batch.q)
-    ms = timer(lambda: kernels.paged_attention(*batch.args(), out=out, num_splits=num_splits))
+    ms = timer(
+        lambda: kernels.paged_attention(
+            *batch.args(), out=out, num_splits=num_splits, num_decode_seqs=batch.num_decodes
+        )
+    )
     nbytes = attention_bytes(batch)
     splits = num_splits
     if splits is None:  # report what the heuristic chose
-        pa = importlib.import_module("batchgen.kernels.attention")
+        pa = kernel_module("attention")
         sm = pa._device_sm_count(device)
         splits = kernels.choose_num_splits(
             len(kv_lens), batch.k_cache.shape[2], max(q_lens), max(kv_lens), sm
@@ -240,7 +286,8 @@ def bench_attention(
         ref_ms = timer(lambda: reference.paged_attention_ref(*batch.args()))
         speedup = ref_ms / ms
     b, lq, lk = len(kv_lens), max(q_lens), max(kv_lens)
-    label = f"B={b} q={lq} kv={lk}" + ("" if num_splits is None else f" splits={num_splits}")
+    heads = f" {batch.q.shape[1]}:{batch.k_cache.shape[2]}"
+    label = f"B={b} q={lq} kv={lk}{heads}" + ("" if num_splits is None else f" splits={num_splits}")
     return Result(
         kernel=f"attention/{kind}",
         case=label,
@@ -367,23 +414,49 @@ def gpu_cases() -> list[dict]:
             )
         )
     # A mixed step: 64 decodes plus two prefill chunks, one over a cached prefix.
-    cases.append(
-        dict(
-            kind="mixed",
-            q_lens=[1] * 64 + [1024, 1024],
-            kv_lens=[2048] * 64 + [1024, 3072],
-            num_splits=None,
+    mixed = dict(kind="mixed", q_lens=[1] * 64 + [1024, 1024], kv_lens=[2048] * 64 + [1024, 3072])
+    cases.append(dict(**mixed, num_splits=None))
+    # Qwen2.5-7B geometry (28:4, G = 7): decode at small and large batches, a mixed step.
+    for batch, context in ((1, 8192), (8, 8192), (64, 2048), (256, 2048), (4, 32768)):
+        cases.append(
+            dict(
+                kind="decode",
+                q_lens=[1] * batch,
+                kv_lens=[context] * batch,
+                num_splits=None,
+                **QWEN_HEADS,
+            )
         )
-    )
+    cases.append(dict(**mixed, num_splits=None, **QWEN_HEADS))
+    return cases
+
+
+def quick_cases() -> list[dict]:
+    """A minute's subset of gpu_cases for scripts/gpu_check.sh: decode at 1..256 sequences and
+    contexts up to 32k for both GQA geometries, with and without split-K, a prefill, mixed steps."""
+    cases: list[dict] = []
+    for heads in ({}, QWEN_HEADS):
+        for batch, context in ((1, 32768), (8, 8192), (64, 2048), (256, 4096)):
+            cases.append(dict(kind="decode", q_lens=[1] * batch, kv_lens=[context] * batch,
+                              num_splits=None, **heads))  # fmt: skip
+        cases.append(dict(kind="decode", q_lens=[1] * 8, kv_lens=[8192] * 8, num_splits=1,
+                          **heads))  # fmt: skip
+        cases.append(dict(kind="prefill", q_lens=[2048] * 2, kv_lens=[6144] * 2,
+                          num_splits=None, **heads))  # fmt: skip
+        cases.append(dict(kind="mixed", q_lens=[1] * 64 + [1024, 1024],
+                          kv_lens=[2048] * 64 + [1024, 3072], num_splits=None, **heads))  # fmt: skip
     return cases
 
 
 def smoke_cases() -> list[dict]:
+    """Tiny cases for the interpreter (head_dim 64, 4:2 unless a case says otherwise)."""
     return [
         dict(kind="decode", q_lens=[1, 1], kv_lens=[40, 17], num_splits=None),
         dict(kind="decode", q_lens=[1, 1], kv_lens=[40, 17], num_splits=2),
         dict(kind="prefill", q_lens=[9, 5], kv_lens=[9, 21], num_splits=None),
-    ]
+        dict(kind="mixed", q_lens=[1, 1, 6], kv_lens=[33, 7, 20], num_splits=None,
+             num_heads=7, num_kv_heads=1),
+    ]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,9 +474,9 @@ def compile_only() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    pa = importlib.import_module("batchgen.kernels.attention")
-    sk = importlib.import_module("batchgen.kernels.kv_store")
-    cb = importlib.import_module("batchgen.kernels.block_copy")
+    pa = kernel_module("attention")
+    sk = kernel_module("kv_store")
+    cb = kernel_module("block_copy")
     target = GPUTarget("cuda", 90, 32)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
@@ -470,6 +543,8 @@ def compile_only() -> int:
     attention_variants = [
         ("bf16", 4, 128, 1, 1),
         ("bf16", 4, 128, 1, 4),
+        ("bf16", 7, 128, 1, 64),
+        ("bf16", 7, 128, 1024, 1),
         ("bf16", 4, 128, 17, 1),
         ("bf16", 4, 128, 512, 1),
         ("bf16", 1, 128, 1, 1),
@@ -526,12 +601,13 @@ def compile_only() -> int:
             NUM_QUERIES_PER_KV=group,
             BLOCK_SIZE=BLOCK_SIZE,
             BLOCK_M=block_m,
-            BLOCK_Q=max(1, block_m // group),
+            BLOCK_Q=1 if max_q == 1 else max(1, block_m // group),
             TILE_N=tile_n,
             BLOCK_D=block_d,
             NUM_SPLITS=splits,
             DOT_DTYPE=dot_dtype,
             DOT_PRECISION="ieee" if dtype == "fp32" else None,
+            ONE_QUERY_PER_SEQ=max_q == 1,
         )
         name = (
             f"paged_attention {dtype} G={group} D={head_dim} max_q={max_q} splits={splits} "
@@ -544,12 +620,43 @@ def compile_only() -> int:
             ),
         )
     report(
+        "merge_splits bf16 S=64 D=128",
+        lambda: compile_like_jit(
+            pa._merge_splits_kernel,
+            dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16"),
+            dict(num_heads=28, head_dim=128, stride_ot=3584, stride_oh=128, stride_od=1),
+            dict(NUM_SPLITS=64, BLOCK_S=64, BLOCK_D=128),
+            num_warps=4,
+        ),
+    )
+    report(
         "merge_splits bf16 S=5 D=128",
         lambda: compile_like_jit(
             pa._merge_splits_kernel,
             dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16"),
             dict(num_heads=32, head_dim=128, stride_ot=4096, stride_oh=128, stride_od=1),
             dict(NUM_SPLITS=5, BLOCK_S=8, BLOCK_D=128),
+            num_warps=4,
+        ),
+    )
+    sk_sampler = kernel_module("sampler")
+    report(
+        "sampler uniform_noise",
+        lambda: compile_like_jit(
+            sk_sampler._uniform_noise_kernel,
+            dict(state_ptr="*i64", ids_ptr="*i64", out_ptr="*fp32"),
+            dict(num_ids=7, stride_ids=0),
+            dict(BLOCK=sk_sampler._BLOCK),
+            num_warps=4,
+        ),
+    )
+    report(
+        "sampler race_draw",
+        lambda: compile_like_jit(
+            sk_sampler._race_draw_kernel,
+            dict(logits_ptr="*fp32", temperature_ptr="*fp32", state_ptr="*i64", out_ptr="*i64"),
+            dict(vocab_size=152064, stride_row=152064),
+            dict(BLOCK=sk_sampler._BLOCK),
             num_warps=4,
         ),
     )
@@ -645,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile-only", action="store_true", help="compile for sm_90 and report registers"
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="GPU: a one-minute subset (scripts/gpu_check.sh)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     args = parser.parse_args(argv)
@@ -655,8 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.smoke:
             parser.error("no GPU: use --smoke (interpreter) or --compile-only")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
-    kernels = importlib.import_module("batchgen.kernels")
-    reference = importlib.import_module("batchgen.kernels.reference")
+    kernels = kernel_module()
+    reference = kernel_module("reference")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -673,16 +783,20 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16) if args.smoke else {}
     rows: list[Result] = []
     start = time.perf_counter()
-    for case in smoke_cases() if args.smoke else gpu_cases():
+    cases = smoke_cases() if args.smoke else quick_cases() if args.quick else gpu_cases()
+    for case in cases:
         rows.append(
             bench_attention(
-                kernels, reference, timer, copy_bw, dtype=dtype, device=device, **case, **shape
+                kernels, reference, timer, copy_bw, dtype=dtype, device=device, **{**shape, **case}
             )
         )
         print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     if args.smoke:
         rows.append(bench_store_kv(kernels, reference, timer, copy_bw, 8, dtype, device))
         rows.append(bench_copy_blocks(kernels, reference, timer, copy_bw, 2, 1, dtype, device))
+    elif args.quick:
+        rows.append(bench_store_kv(kernels, reference, timer, copy_bw, 16384, dtype, device))
+        rows.append(bench_copy_blocks(kernels, reference, timer, copy_bw, 64, 32, dtype, device))
     else:
         for num_tokens in (64, 1024, 16384, 131072):
             rows.append(

@@ -1,15 +1,18 @@
 """Shared test setup.
 
-Triton kernels run under Triton's CPU interpreter when no GPU is present; the variable must be set
-before any module decorated with @triton.jit is imported, hence here at the top.
+The session's device mode (tests/devices.py: CPU with Triton interpreted, or GPU with Triton
+compiled) must be set before torch initialises CUDA and before any module decorated with
+@triton.jit is imported, hence here at the top.
 """
 
-import os
+from tests import devices
 
-import torch
+devices.configure_environment()
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402
+
+if devices.GPU_SESSION and not torch.cuda.is_available():
+    raise RuntimeError(f"{devices.GPU_ENV}=1 but torch sees no CUDA device")
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -34,6 +37,14 @@ def tiny_model(tmp_path_factory):
     return make
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip, by name, the tests this session's device mode does not run (tests/devices.py)."""
+    for item in items:
+        reason = devices.skip_reason({m.name for m in item.iter_markers()})
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """Which optional paths this session could run, and how many samples the near-tie
     comparison exempted (tests/ties.py)."""
@@ -41,6 +52,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
     tr = terminalreporter
     tr.section("batchgen optional paths")
+    mode = (
+        "GPU (Triton compiled)" if devices.GPU_SESSION else "CPU (CUDA hidden, Triton interpreted)"
+    )
+    tr.write_line(f"session: {mode}")
     for line in optional.summary():
         tr.write_line(line)
     s = ties.STATS

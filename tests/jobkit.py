@@ -35,9 +35,10 @@ def write_job(
     name: str = "job.yaml",
 ) -> Path:
     """Write ``tmp/prompts.parquet`` (``prompts`` with ids 0.., or ``table``) and a job file
-    reading it; return the job file's path. The engine runs in float32 unless ``engine`` names a
-    dtype: ``auto`` gives bf16 on CPUs with bf16 matrix instructions, and tests that compare
-    tokens exactly choose their numerics."""
+    reading it; return the job file's path. The engine runs in float32 on the CPU unless
+    ``engine`` names a dtype or a device: ``auto`` gives bf16 on CPUs with bf16 matrix
+    instructions (and CUDA + bf16 on a GPU), and tests that compare tokens exactly choose their
+    numerics and their device."""
     tmp.mkdir(parents=True, exist_ok=True)
     if table is None:
         table = pa.table({"id": list(range(len(prompts))), "prompt": prompts})
@@ -47,7 +48,7 @@ def write_job(
         "input": {"path": "prompts.parquet", **(input_extra or {})},
         "output": {"path": output},
         "sampling": sampling or {},
-        "engine": {"dtype": "float32", **(engine or {})},
+        "engine": {"dtype": "float32", "device": "cpu", **(engine or {})},
     }
     return write_job_file(tmp, job, name)
 

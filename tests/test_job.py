@@ -78,6 +78,7 @@ SPEC_ENGINE = {
     "max_model_len": None,
     "attention_backend": "auto",
     "prefix_caching": True,
+    "cuda_graphs": "off",
 }
 
 
@@ -148,6 +149,7 @@ engine:
   max_model_len: null
   attention_backend: auto
   prefix_caching: true
+  cuda_graphs: off
 """
     assert_spec_defaults(load_job(write_job_file(tmp_path, text)))
 

@@ -1,9 +1,9 @@
 """Triton kernels against their PyTorch references (batchgen.kernels.reference).
 
-Without a GPU the kernels run under Triton's interpreter (tests/conftest.py sets
+In a CPU session the kernels run under Triton's interpreter (tests/devices.py sets
 TRITON_INTERPRET=1 before anything imports them), which costs about 5 ms per tile iteration per
-program: shapes are small and the parameter grid is sampled, not crossed. With CUDA the same
-tests run compiled on the GPU.
+program: shapes are small and the parameter grid is sampled, not crossed. In a GPU session
+(BATCHGEN_TEST_GPU=1) the same tests (marked ``kernel``) run compiled on the GPU.
 
 Every cache slot that no sequence uses holds NaN, and block-table padding points at an unused
 (NaN) block, so any read the kernels should not make turns the output NaN.
@@ -21,10 +21,13 @@ import pytest
 import torch
 
 from batchgen.kernels import choose_num_splits, copy_blocks, paged_attention, store_kv
+from batchgen.kernels.attention import split_buckets
 from batchgen.kernels.reference import copy_blocks_ref, paged_attention_ref, store_kv_ref
+from tests.devices import kernel_device
 from tests.optional import require
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.kernel
+DEVICE = torch.device(kernel_device())
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 REPO = Path(__file__).resolve().parents[1]
 
@@ -426,8 +429,20 @@ def test_choose_num_splits() -> None:
     # Few long decodes split, bounded by the key count and by _MAX_SPLITS.
     assert choose_num_splits(2, 8, max_seqlen_q=1, max_seqlen_k=8192, sm_count=132) == 16
     assert choose_num_splits(2, 8, max_seqlen_q=1, max_seqlen_k=1024, sm_count=132) == 4
-    assert choose_num_splits(8, 8, max_seqlen_q=1, max_seqlen_k=100_000, sm_count=132) == 5
+    # 5 wanted: rounded down to a power of two (one compiled variant per bucket).
+    assert choose_num_splits(8, 8, max_seqlen_q=1, max_seqlen_k=100_000, sm_count=132) == 4
     assert choose_num_splits(1, 1, max_seqlen_q=1, max_seqlen_k=100, sm_count=132) == 1
+    # GQA 28:4 (4 KV heads) at one or two long sequences fills all 132 SMs of an H200.
+    for b in (1, 2):
+        assert b * 4 * choose_num_splits(b, 4, 1, max_seqlen_k=32768, sm_count=132) >= 132
+    got = {
+        choose_num_splits(b, h, 1, k, sm)
+        for b in range(1, 70)
+        for h in (1, 4, 8)
+        for k in (1, 300, 1000, 5000, 40_000)
+        for sm in (78, 132)
+    }
+    assert got <= set(split_buckets()) and split_buckets() == [1, 2, 4, 8, 16, 32, 64]
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.scheduler import Batch
+from batchgen.engine.staging import Staging
 from batchgen.model.attention import AttentionMetadata
 
 
@@ -18,14 +19,24 @@ class StepTensors:
     logits_indices: torch.Tensor  # [S] int64: row of hidden states to sample, once per target
 
 
-def build_step(batch: Batch, block_size: int, device: torch.device) -> StepTensors:
+def build_step(
+    batch: Batch, block_size: int, device: torch.device, staging: Staging | None = None
+) -> StepTensors:
+    """The step's tensors. Sequences are laid out decodes (one new token) first, so attention
+    can launch them apart (``meta.num_decodes``); ``logits_indices`` stays in the order of
+    ``batch.chunks``, which is the order the sampler's rows follow. With ``staging`` the
+    integer tensors are uploaded packed, two copies in all (the engine's way); without, one by
+    one (the same values)."""
     input_ids: list[int] = []
     positions: list[int] = []
     seq_lens: list[int] = []
     cu_seqlens = [0]
-    logits_indices: list[int] = []
     tables: list[list[int]] = []
-    for chunk in batch.chunks:
+    decodes = [i for i, c in enumerate(batch.chunks) if c.num_tokens == 1]
+    layout = decodes + [i for i, c in enumerate(batch.chunks) if c.num_tokens != 1]
+    last_row = [0] * len(batch.chunks)  # chunk index -> row of its last new token
+    for i in layout:
+        chunk = batch.chunks[i]
         seq = chunk.seq
         end = chunk.start + chunk.num_tokens
         input_ids.extend(seq.token_ids[chunk.start : end])
@@ -33,15 +44,21 @@ def build_step(batch: Batch, block_size: int, device: torch.device) -> StepTenso
         seq_lens.append(end)
         cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
         tables.append(seq.block_table)
+        last_row[i] = cu_seqlens[-1] - 1
+    logits_indices: list[int] = []
+    for i, chunk in enumerate(batch.chunks):
         if chunk.samples:
-            logits_indices.extend([cu_seqlens[-1] - 1] * len(seq.targets))
+            logits_indices.extend([last_row[i]] * len(chunk.seq.targets))
 
     max_blocks = max(len(t) for t in tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    if staging is not None:
+        return _staged(staging, input_ids, positions, padded, cu_seqlens, seq_lens,
+                       logits_indices, layout, batch, block_size, max_blocks)  # fmt: skip
     block_tables = torch.tensor(padded, dtype=torch.int32)  # [B, max_blocks]
     pos = torch.tensor(positions, dtype=torch.int64)  # [T]
-    q_lens = torch.tensor([c.num_tokens for c in batch.chunks], dtype=torch.int64)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(batch.chunks)), q_lens)  # [T]
+    q_lens = torch.tensor([batch.chunks[i].num_tokens for i in layout], dtype=torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(layout)), q_lens)  # [T]
     slot_mapping = (
         block_tables[seq_of_token, pos // block_size].to(torch.int64) * block_size
         + pos % block_size
@@ -53,6 +70,7 @@ def build_step(batch: Batch, block_size: int, device: torch.device) -> StepTenso
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         max_seqlen_q=int(q_lens.max()),
         max_seqlen_k=max(seq_lens),
+        num_decodes=len(decodes),
     )
     return StepTensors(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -60,3 +78,42 @@ def build_step(batch: Batch, block_size: int, device: torch.device) -> StepTenso
         meta=meta,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
     )
+
+
+def _staged(
+    staging: Staging,
+    input_ids: list[int],
+    positions: list[int],
+    padded: list[list[int]],
+    cu_seqlens: list[int],
+    seq_lens: list[int],
+    logits_indices: list[int],
+    layout: list[int],
+    batch: Batch,
+    block_size: int,
+    max_blocks: int,
+) -> StepTensors:
+    """``build_step`` through ``staging``: slots computed on the host, one int64 and one int32
+    upload."""
+    slots: list[int] = []
+    for i, row in zip(layout, padded, strict=True):
+        chunk = batch.chunks[i]
+        for p in range(chunk.start, chunk.start + chunk.num_tokens):
+            slots.append(row[p // block_size] * block_size + p % block_size)
+    ids_t, pos_t, slots_t, logits_t = staging.upload(
+        torch.int64, [input_ids, positions, slots, logits_indices]
+    )
+    tables_t, cu_t, lens_t = staging.upload(
+        torch.int32, [[b for row in padded for b in row], cu_seqlens, seq_lens]
+    )
+    q_lens = [batch.chunks[i].num_tokens for i in layout]
+    meta = AttentionMetadata(
+        slot_mapping=slots_t,
+        block_tables=tables_t.view(len(padded), max_blocks),
+        cu_seqlens_q=cu_t,
+        seq_lens=lens_t,
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(seq_lens),
+        num_decodes=sum(n == 1 for n in q_lens),
+    )
+    return StepTensors(input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t)

@@ -10,12 +10,15 @@ import torch
 
 from batchgen.engine.batch import build_step
 from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.cuda_graphs import DecodeGraphs
+from batchgen.engine.device import device_guard
 from batchgen.engine.grammar import apply_masks
 from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels
 from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import Request, SampleResult, Sequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
+from batchgen.engine.staging import Staging
 from batchgen.engine.stop import StopStrings
 from batchgen.model import cpu_kernels
 from batchgen.model.config import ModelInfo
@@ -30,6 +33,7 @@ class EngineConfig:
     max_model_len: int
     prefix_caching: bool = True
     attention_backend: str = "torch"  # "torch" | "triton": also picks the block-copy function
+    cuda_graphs: bool = False  # decode-only steps from CUDA graphs (needs CUDA and triton)
 
 
 @dataclass
@@ -106,6 +110,32 @@ class Engine:
             StopStrings(detokenize) if detokenize is not None else None,
         )
         self.stats = EngineStats()
+        self.num_heads = info.num_heads
+        self.staging = Staging(device)
+        if config.attention_backend == "triton" and device.type == "cuda":
+            self.warm_up()
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs:
+            if device.type != "cuda" or config.attention_backend != "triton":
+                raise ValueError("cuda_graphs needs a CUDA device and the triton backend")
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_cache,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                device=device,
+            )
+            with device_guard(device):
+                self.graphs.capture_all()
+
+    def warm_up(self) -> int:
+        """Compile every attention variant a run can launch now, not mid-run (Triton backend;
+        the engine calls it on CUDA). Returns the number of warm-up launches."""
+        from batchgen.kernels.warmup import warm_up_attention
+
+        with device_guard(self.device), torch.inference_mode():
+            return warm_up_attention(self.kv_cache[0, 0], self.kv_cache[0, 1], self.num_heads)
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -117,8 +147,13 @@ class Engine:
     def num_waiting_targets(self) -> int:
         return self.scheduler.num_waiting_targets
 
-    @torch.inference_mode()
     def step(self) -> list[SampleResult]:
+        """Schedule, run and sample one step on the engine's device (made current for Triton)."""
+        with device_guard(self.device):
+            return self._step()
+
+    @torch.inference_mode()
+    def _step(self) -> list[SampleResult]:
         batch = self.scheduler.schedule()
         assert batch, "scheduler produced an empty batch while work remains"
         if self.check_invariants:
@@ -130,10 +165,13 @@ class Engine:
                 torch.tensor(src, dtype=torch.int64, device=self.device),
                 torch.tensor(dst, dtype=torch.int64, device=self.device),
             )
-        step = build_step(batch, self.config.block_size, self.device)
+        step = build_step(batch, self.config.block_size, self.device, self.staging)
         draws: list[list[Draw]] = []
         if len(step.logits_indices):
-            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+            if self.graphs is not None and self.graphs.supports(step):
+                hidden = self.graphs.run(step)
+            else:
+                hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
             logits = self.model.compute_logits(hidden[step.logits_indices])
             draws = self._sample(batch, logits)
             self.stats.sampled_tokens += len(step.logits_indices)
@@ -221,7 +259,12 @@ class Engine:
 
 
 def _default_sampler_kernels(device: torch.device) -> SamplerKernels:
-    """The C kernels' noise and plain draw on a CPU when they can be built."""
+    """The Triton kernels' noise and plain draw on CUDA; the C kernels' on a CPU when they can
+    be built."""
+    if device.type == "cuda":
+        from batchgen.kernels.sampler import race_draw, uniform_noise
+
+        return SamplerKernels(uniform_noise=uniform_noise, race_draw=race_draw, device_type="cuda")
     native = cpu_kernels.load() if device.type == "cpu" else None
     if native is None:
         return TORCH_FORMULA

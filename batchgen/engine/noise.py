@@ -57,9 +57,9 @@ def rng_key(seed: int, row_id: int | str, sample_index: int) -> int:
 @dataclass(frozen=True)
 class SamplerKernels:
     """Native versions of the sampler's two hot loops, passed in by the caller (the engine picks
-    the C kernels on CPU); a None field keeps the PyTorch formula. Both are called on CPU tensors
-    only and must match the formula: the noise bit for bit, the draw up to float rounding in
-    near-ties.
+    the C kernels on CPU, the Triton kernels on CUDA); a None field keeps the PyTorch formula.
+    Both are called on tensors of ``device_type`` only and must match the formula: the noise bit
+    for bit, the draw up to float rounding in near-ties.
 
     - ``uniform_noise(state, ids, k)``: row states ``[S]`` int64 (``row_state``), vocab ids
       ``[S, k]`` or ``[1, k]`` int64 with contiguous rows -> ``[S, k]`` float32, ``uniform_at``;
@@ -69,6 +69,7 @@ class SamplerKernels:
 
     uniform_noise: Callable[[Tensor, Tensor, int], Tensor] | None = None
     race_draw: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
+    device_type: str = "cpu"  # the tensors' device type the kernels run on
 
 
 TORCH_FORMULA = SamplerKernels()  # no native kernels: the PyTorch formula everywhere
@@ -133,7 +134,7 @@ def uniform_at(
     vocabulary equals the same permutation of the noise over the whole vocabulary.
     """
     state = row_state(rng_key, position)  # [S]
-    if state.device.type == "cpu" and kernels.uniform_noise is not None:
+    if state.device.type == kernels.device_type and kernels.uniform_noise is not None:
         # the same bits from a native kernel, in one pass instead of about twenty
         return kernels.uniform_noise(state, ids.contiguous(), ids.shape[1])
     z = (ids + 1) * _GAMMA + state[:, None]  # [S, K] int64, a splitmix64 counter per vocab id

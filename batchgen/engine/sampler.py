@@ -273,7 +273,7 @@ def _draw_plain(
 ) -> Tensor:
     """Draw from softmax(logits / temperature) over the whole vocabulary: [R, V] -> [R] int64."""
     if (
-        logits.device.type == "cpu"
+        logits.device.type == kernels.device_type
         and logits.dtype == torch.float32
         and kernels.race_draw is not None
     ):

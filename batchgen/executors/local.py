@@ -87,7 +87,7 @@ class RowGenerator:
         if place.device.type == "cpu":
             keep_freed_memory()  # step activations reuse mapped pages instead of faulting anew
         model, _ = load_model(job.model, place.device, place.dtype, attention)
-        num_blocks = plan_num_blocks(job, info, place)
+        num_blocks = plan_num_blocks(job, info, place, model=model)
         self.max_model_len = max_model_len(job, info, num_blocks)
         self.engine = Engine(
             model,

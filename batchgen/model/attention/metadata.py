@@ -32,6 +32,7 @@ class AttentionMetadata:
     seq_lens: Tensor  # [B] int32: context length after this step (cached + new)
     max_seqlen_q: int
     max_seqlen_k: int
+    num_decodes: int = 0  # leading sequences with one new token (kernels launch them apart)
 
 
 class AttentionBackend(Protocol[Plan]):

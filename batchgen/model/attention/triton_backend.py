@@ -53,4 +53,5 @@ class TritonAttention:
             scale,
             meta.max_seqlen_q,
             meta.max_seqlen_k,
+            num_decode_seqs=meta.num_decodes,
         )
