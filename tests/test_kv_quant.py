@@ -328,3 +328,54 @@ def test_paged_attention_refuses_quantized_cache_without_scales() -> None:
     args = (q, data[0], data[1], meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, 0.25, 1, 3)
     with pytest.raises(ValueError, match="needs k_scale"):
         paged_attention(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# the job: refusals, validate, the report
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "engine, needle",
+    [
+        ({"device": "cpu", "kv_cache_dtype": "fp8_e4m3"}, "fp8_e4m3 needs a CUDA GPU"),
+        ({"dtype": "float32", "kv_cache_dtype": "float16"}, "differs from the compute dtype"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
+    ],
+)
+def test_impossible_kv_cache_dtypes_are_refused(tiny_model, tmp_path, engine, needle) -> None:
+    from tests.jobkit import invoke, refusal, write_job
+
+    if torch.cuda.is_available() and "device" not in engine:
+        engine = {"device": "cpu", **engine}
+    job = write_job(tmp_path, tiny_model("llama"), ["a b c"], engine=engine)
+    for command in ("validate", "run"):
+        line = refusal(invoke(command, job))
+        assert needle in line, line
+
+
+def test_validate_and_report_give_the_kv_cache_dtype(tiny_model, tmp_path) -> None:
+    """validate names the KV dtype and how many tokens the cache holds (about 4x the float32
+    cache's at the same kv_cache_memory); _report.json has kv_cache_dtype and bytes per token."""
+    import json
+
+    from batchgen.results import REPORT_NAME
+    from tests.jobkit import run_cli, write_job
+
+    model = tiny_model("llama", num_heads=4, num_kv_heads=2, head_dim=24)  # 2 layers
+    memory = {"kv_cache_memory": 1 << 20, "device": "cpu"}
+    held = {}
+    for kv, per_token in (("auto", 2 * 2 * 2 * 24 * 4), ("int8", 2 * 2 * 2 * (24 + 4))):
+        job = write_job(
+            tmp_path / kv, model, ["a b c", "d e"], engine={**memory, "kv_cache_dtype": kv}
+        )
+        text = run_cli("validate", str(job)).output
+        line = next(ln for ln in text.splitlines() if ln.startswith("KV cache:"))
+        name = "float32" if kv == "auto" else "int8"
+        assert line.startswith(f"KV cache: {name}") and f"{per_token} bytes/token" in line, line
+        held[kv] = int(line.split("holds ")[1].split()[0])
+        assert held[kv] == (1 << 20) // (per_token * 16) * 16
+        run_cli("run", str(job), "--quiet")
+        report = json.loads((tmp_path / kv / "out" / REPORT_NAME).read_text())
+        assert report["kv_cache_dtype"] == name and report["kv_bytes_per_token"] == per_token
+    assert held["int8"] >= 3.4 * held["auto"]  # head_dim 24: (24 * 4) / (24 + 4) = 3.43
