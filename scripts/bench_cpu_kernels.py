@@ -3,7 +3,7 @@ side by side in one run, on the benchmark model's shapes (8 query heads, 2 KV he
 block 16, vocabulary 4096).
 
     python scripts/bench_cpu_kernels.py [--threads 2] [--reps 15] [--bf16 | --bf16-only]
-        [--json bench-out/cpu-kernels.json]
+        [--int8 | --int8-only] [--json bench-out/cpu-kernels.json]
 
 Cases:
 - prefill / extend: the tiled kernel vs the per-token kernel vs SDPA on contiguous K/V (the
@@ -17,6 +17,9 @@ Cases:
   PyTorch bf16 path (``TorchAttention(native=False)``: gathers and SDPA), all through the paged
   cache; ``bf16_plan``: what a bf16 native plan runs (the kernels, SDPA for long fresh
   prefills).
+- int8 (``--int8``): long-context decode attention (16 sequences of 2k-3k keys, Qwen2.5-0.5B's
+  14:2 heads of 64) over fp32, bf16 and int8 caches (int8 with fp32 and with bf16 q), side by
+  side, with the K/V bytes each reads per second (int8: bytes and scales).
 
 Every case first checks that both sides agree. Times are medians of ``--reps``; the machine is
 noisy, so compare ratios within one run. Slow-ish (a minute); not part of the tests.
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from batchgen.engine import noise, sampler
 from batchgen.model import cpu_kernels
@@ -292,6 +296,68 @@ def bench_bf16(reps: int) -> list[dict]:
     ]
 
 
+def int8_case(kern: cpu_kernels.CpuKernels, reps: int, n: int, keys: int) -> dict:
+    """Decode attention of n sequences of ``keys`` keys (14:2 heads of 64, blocks in random
+    order), one cache per layer of 4 so the caches do not stay in the CPU's caches, over: an
+    fp32 cache (fp32 q), a bf16 cache (bf16 q), and int8 caches with fp32 and with bf16 q."""
+    hq, hkv, layers = 14, 2, 4
+    gen = torch.Generator().manual_seed(0)
+    per = -(-keys // BS)
+    num_blocks = n * per + 1
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[: n * per] + 1).view(n, per)
+    q32 = torch.randn(n, hq, D, generator=gen)
+    caches: dict[str, list[tuple]] = {"fp32": [], "bf16": [], "int8": []}
+    slots = torch.arange(num_blocks * BS)
+    for _ in range(layers):
+        k = torch.randn(num_blocks, BS, hkv, D, generator=gen)
+        v = torch.randn(num_blocks, BS, hkv, D, generator=gen)
+        caches["fp32"].append((k, v, None, None))
+        caches["bf16"].append((k.bfloat16(), v.bfloat16(), None, None))
+        kq, vq = torch.empty_like(k, dtype=torch.int8), torch.empty_like(v, dtype=torch.int8)
+        ks, vs = torch.empty(num_blocks, BS, hkv), torch.empty(num_blocks, BS, hkv)
+        kern.store_kv(k.view(-1, hkv, D), v.view(-1, hkv, D), kq, vq, slots, ks, vs)
+        caches["int8"].append((kq, vq, ks, vs))
+    bt = tables.to(torch.int32)
+    cu = torch.arange(n + 1, dtype=torch.int32)
+    lens = torch.full((n,), keys, dtype=torch.int32)
+    seqs = torch.arange(n, dtype=torch.int32)
+    times, outs, gbs = {}, {}, {}
+    for name, cache, qdt in (("fp32", "fp32", torch.float32), ("bf16", "bf16", torch.bfloat16),
+                             ("int8_q_fp32", "int8", torch.float32),
+                             ("int8_q_bf16", "int8", torch.bfloat16)):  # fmt: skip
+        q = q32.to(qdt)
+        out = torch.empty_like(q)
+
+        def step(cache: str = cache, q: Tensor = q, out: Tensor = out) -> None:
+            for kc, vc, ks, vs in caches[cache]:
+                kern.paged_attention(
+                    q, kc, vc, bt, cu, lens, seqs, out, 0.125, k_scale=ks, v_scale=vs
+                )
+
+        times[name] = median_ms(step, reps) / layers
+        outs[name] = out.float()
+        elem = {"fp32": 4, "bf16": 2, "int8": 1}[cache]
+        read = n * keys * 2 * hkv * (D * elem + (4 if cache == "int8" else 0))
+        gbs[f"{name}_gb_s"] = read / times[name] / 1e6
+    # the last layer's output, against the fp32 cache's
+    for name in ("bf16", "int8_q_fp32", "int8_q_bf16"):
+        torch.testing.assert_close(outs[name], outs["fp32"], atol=3e-2, rtol=3e-2)
+    return dict(
+        case=f"int8 decode {n} seqs x {keys} keys, {hq}:{hkv} x {D}, per token",
+        **times,
+        fp32_over_int8=times["fp32"] / times["int8_q_fp32"],
+        bf16_over_int8=times["bf16"] / times["int8_q_bf16"],
+        **gbs,
+    )
+
+
+def bench_int8(reps: int) -> list[dict]:
+    kern = cpu_kernels.load()
+    if kern is None:
+        raise SystemExit("the C kernels cannot be built here")
+    return [int8_case(kern, reps, 16, keys) for keys in (2048, 3000)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -299,6 +365,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--bf16", action="store_true", help="also the bf16 rows")
     parser.add_argument("--bf16-only", action="store_true", help="only the bf16 rows")
+    parser.add_argument("--int8", action="store_true", help="also the int8 KV cache rows")
+    parser.add_argument("--int8-only", action="store_true", help="only the int8 rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kern = cpu_kernels.load()
@@ -306,7 +374,7 @@ def main() -> None:
         raise SystemExit("the C kernels cannot be built here (no C compiler, or disabled)")
     results = (
         []
-        if args.bf16_only
+        if args.bf16_only or args.int8_only
         else bench_prefill(kern, args.reps)
         + bench_prefix(kern, args.reps)
         + bench_decode(kern, args.reps)
@@ -314,6 +382,8 @@ def main() -> None:
     )
     if args.bf16 or args.bf16_only:
         results += bench_bf16(args.reps)
+    if args.int8 or args.int8_only:
+        results += bench_int8(args.reps)
     for row in results:
         cells = [f"{k} {v:.2f}" if isinstance(v, float) else str(v) for k, v in row.items()]
         print(" | ".join(cells))

@@ -5,6 +5,10 @@
  *   store_kv_*           the step's new K/V into their cache slots
  *   rms_norm_*, rope_*, silu_mul_*   one-pass layer ops
  *   prefix_attention_merge_*  shared prefixes attended by their rows and merged, in one call
+ * int8 KV cache (_i8; q, k, v fp32 or bf16, one fp32 scale per (slot, KV head)):
+ *   store_kv_i8          quantize the step's new K/V into their slots (bit for bit
+ *                        kernels/reference.py's quantize_kv_ref)
+ *   paged_attention_i8, prefix_attention_merge_i8   attention over the int8 cache
  * fp32 only:
  *   uniform_noise_f32    the sampler's hashed uniforms (bit for bit the PyTorch formula)
  *   race_draw_f32        the sampler's temperature-only draw, fused (noise, weights, race)
@@ -31,6 +35,12 @@
  * q.k dot products of bf16 q and K use vdpbf16ps (fp32 sums of exact bf16 products).
  * The dtype is a compile-time constant (BF) of the always-inline inner functions, a run-time flag
  * (Args.bf16) of the outer ones: one source for both, the fp32 code paths unchanged.
+ *
+ * int8 caches (paged_attention_i8): k_cache/v_cache [num_blocks, block_size, Hkv, D] int8,
+ * k_scale/v_scale [num_blocks, block_size, Hkv] fp32; row (slot s, head h) is the integers times
+ * scale[s*Hkv + h]. Per token, the integers are widened to fp32 in registers and the scale is
+ * applied once per (key, head): to the fp32 dot product with q, and to the softmax weight of
+ * the value row. Tiled and prefix paths dequantize (q * scale in fp32) while gathering.
  *
  * Work items are (sequence, KV head) pairs; the G = Hq/Hkv query heads of a KV head are
  * processed together so each key and value row is read once per query token.
@@ -67,8 +77,11 @@ typedef struct {
     int block_size;
     int max_keys; /* longest key range of any selected sequence (scratch size) */
     float scale;
-    int bf16;     /* q, k_cache, v_cache hold bf16 (else fp32) */
+    int bf16;     /* q (and, unless kv_i8, k_cache and v_cache) hold bf16 (else fp32) */
     int out_bf16; /* out holds bf16 (else fp32) */
+    int kv_i8;    /* k_cache, v_cache hold int8 with scales k_scale, v_scale (else q's dtype) */
+    const float *k_scale; /* [num_blocks, block_size, Hkv]: scale of slot s, head h at s*Hkv+h */
+    const float *v_scale;
 } Args;
 
 typedef struct {
@@ -222,6 +235,52 @@ static void load_row_any(float *dst, const void *src, int64_t n, int bf) {
     for (; i < n; i++) dst[i] = bf16_to_f32(s[i]);
 }
 
+/* ---- int8 cache (per token and KV head scales; kernels/reference.py's quantize_kv_ref) ---- */
+
+/* 16 int8 values as fp32 (exact) */
+static inline v16 load16_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    typedef int8_t vc16 __attribute__((vector_size(16), aligned(1)));
+    vc16 c;
+    memcpy(&c, p, sizeof c);
+    return __builtin_convertvector(__builtin_convertvector(c, vi16), v16);
+#endif
+}
+
+/* K/V cache element i as a pointer: fp32, bf16 (bf) or int8 (i8); bf, i8 constants */
+static inline __attribute__((always_inline)) const void *at_kv(const void *p, int64_t i,
+                                                               const int bf, const int i8) {
+    return i8 ? (const void *)((const int8_t *)p + i) : (const void *)at_any(p, i, bf);
+}
+
+/* 16 K/V cache elements from i as fp32, unscaled (int8: the integers) */
+static inline __attribute__((always_inline)) v16 load16_kv(const void *p, int64_t i,
+                                                           const int bf, const int i8) {
+    return i8 ? load16_i8((const int8_t *)p + i) : load16_any(p, i, bf);
+}
+
+static inline __attribute__((always_inline)) float load1_kv(const void *p, int64_t i,
+                                                            const int bf, const int i8) {
+    return i8 ? (float)((const int8_t *)p)[i] : load1_any(p, i, bf);
+}
+
+/* dst[0..D) (fp32) <- the cache row at element off (fp32, bf16 or, i8, int8 dequantized as
+ * q * scales[off / D] in fp32: the reference's dequantize_kv_ref exactly) */
+static void load_kv_row(float *dst, const void *cache, const float *scales, int64_t off, int D,
+                        int bf, int i8) {
+    if (!i8) {
+        load_row_any(dst, at_any(cache, off, bf), D, bf);
+        return;
+    }
+    const int8_t *src = (const int8_t *)cache + off;
+    const float sc = scales[off / D];
+    int i = 0;
+    for (; i + 16 <= D; i += 16) store16(dst + i, load16_i8(src + i) * sc);
+    for (; i < D; i++) dst[i] = (float)src[i] * sc;
+}
+
 /* s[0..n) <- softmax(s) in place (n >= 1); *lse <- log(sum(exp(s))) when lse is not NULL. */
 static void softmax_row(float *s, int n, float *lse) {
     const int full = n & ~15;
@@ -273,20 +332,22 @@ static inline v16 hsum16(const v16 *a) {
                                    29, 31);
 }
 
-/* Prefetch the row of D elements (fp32 or bf16) at p: one hint per 64-byte line. */
+/* Prefetch the row of D elements (fp32, bf16 or int8 (I8)) at p: one hint per 64-byte line. */
 static inline __attribute__((always_inline)) void prefetch_row(const void *p, const int D,
-                                                               const int BF) {
-    for (int c = 0; c < D * (BF ? 2 : 4); c += 64) __builtin_prefetch((const char *)p + c);
+                                                               const int BF, const int I8) {
+    for (int c = 0; c < D * (I8 ? 1 : BF ? 2 : 4); c += 64) __builtin_prefetch((const char *)p + c);
 }
 
-/* scores[g*n + j] = qs[g] . k_j for the n keys at k_base + key_off[j] (elements; fp32 or, BF,
- * bf16 keys). Keys go in chunks of 16/G (rounded down) so that one hsum16 reduces all
- * G x (16/G) dot products of a chunk (lanes past them are zero) and each key row is loaded once.
- * G (<= 16), D (a multiple of 16) and BF are compile-time constants at each call site (always
- * inlined): the loops unroll into registers. */
+/* scores[g*n + j] = qs[g] . k_j for the n keys at k_base + key_off[j] (elements; fp32, or bf16
+ * keys (BF), or int8 keys (I8): then k_j = ks[key_off[j] / D] * the integers, the scale applied
+ * once to the fp32 dot product). Keys go in chunks of 16/G (rounded down) so that one hsum16
+ * reduces all G x (16/G) dot products of a chunk (lanes past them are zero) and each key row is
+ * loaded once. G (<= 16), D (a multiple of 16), BF and I8 are compile-time constants at each call
+ * site (always inlined): the loops unroll into registers. */
 static inline __attribute__((always_inline)) void qk_v16(const float *qs, const void *k_base,
-                                                         const int64_t *key_off, int n,
-                                                         const int G, const int D, const int BF,
+                                                         const float *ks, const int64_t *key_off,
+                                                         int n, const int G, const int D,
+                                                         const int BF, const int I8,
                                                          float *scores) {
     const int KPC = 16 / G; /* keys per chunk */
     for (int j0 = 0; j0 < n; j0 += KPC) {
@@ -294,13 +355,13 @@ static inline __attribute__((always_inline)) void qk_v16(const float *qs, const 
         for (int i = KPC * G; i < 16; i++) acc[i] = (v16){0};
         for (int jj = 0; jj < KPC; jj++) { /* key rows come from scattered blocks: prefetch */
             const int ahead = j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1;
-            prefetch_row(at_any(k_base, key_off[ahead], BF), D, BF);
+            prefetch_row(at_kv(k_base, key_off[ahead], BF, I8), D, BF, I8);
         }
         for (int jj = 0; jj < KPC; jj++) {
             /* past the last key: reread it (the lanes are dropped below) */
             const int64_t kp = key_off[j0 + jj < n ? j0 + jj : n - 1];
             v16 kv[D / 16];
-            for (int c = 0; c < D / 16; c++) kv[c] = load16_any(k_base, kp + 16 * c, BF);
+            for (int c = 0; c < D / 16; c++) kv[c] = load16_kv(k_base, kp + 16 * c, BF, I8);
             for (int g = 0; g < G; g++) {
                 v16 s = load16(qs + g * D) * kv[0];
                 for (int c = 1; c < D / 16; c++) s += load16(qs + g * D + 16 * c) * kv[c];
@@ -310,8 +371,11 @@ static inline __attribute__((always_inline)) void qk_v16(const float *qs, const 
         float r[16];
         store16(r, hsum16(acc));
         const int m = n - j0 < KPC ? n - j0 : KPC;
-        for (int jj = 0; jj < m; jj++)
-            for (int g = 0; g < G; g++) scores[g * n + j0 + jj] = r[jj * G + g];
+        for (int jj = 0; jj < m; jj++) {
+            const float sk = I8 ? ks[key_off[j0 + jj] / D] : 1.0f;
+            for (int g = 0; g < G; g++)
+                scores[g * n + j0 + jj] = I8 ? r[jj * G + g] * sk : r[jj * G + g];
+        }
     }
 }
 
@@ -334,7 +398,7 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q_h,
         for (int i = KPC * G; i < 16; i++) acc[i] = (v16){0};
         for (int jj = 0; jj < KPC; jj++) {
             const int ahead = j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1;
-            prefetch_row(k_base + key_off[ahead], D, 1);
+            prefetch_row(k_base + key_off[ahead], D, 1, 0);
         }
         for (int jj = 0; jj < KPC; jj++) {
             const uint16_t *kp = k_base + key_off[j0 + jj < n ? j0 + jj : n - 1];
@@ -355,22 +419,25 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q_h,
 }
 #endif
 
-/* out rows g (out + g*D, fp32) = sum_j scores[g*n + j] v_j; G, D, BF compile-time constants as
- * above. */
+/* out rows g (out + g*D, fp32) = sum_j scores[g*n + j] v_j; int8 values (I8): v_j =
+ * vs[key_off[j] / D] * the integers, the scale folded into the weight. G, D, BF, I8 compile-time
+ * constants as above. */
 static inline __attribute__((always_inline)) void pv_v16(const float *scores, const void *v_base,
-                                                         const int64_t *key_off, int n,
-                                                         const int G, const int D, const int BF,
-                                                         float *out) {
+                                                         const float *vs, const int64_t *key_off,
+                                                         int n, const int G, const int D,
+                                                         const int BF, const int I8, float *out) {
     v16 o[G][D / 16];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < D / 16; c++) o[g][c] = (v16){0};
     for (int j = 0; j < n; j++) {
         const int64_t vp = key_off[j];
-        prefetch_row(at_any(v_base, key_off[j + PREFETCH < n ? j + PREFETCH : n - 1], BF), D, BF);
+        prefetch_row(at_kv(v_base, key_off[j + PREFETCH < n ? j + PREFETCH : n - 1], BF, I8), D,
+                     BF, I8);
         v16 vv[D / 16];
-        for (int c = 0; c < D / 16; c++) vv[c] = load16_any(v_base, vp + 16 * c, BF);
+        for (int c = 0; c < D / 16; c++) vv[c] = load16_kv(v_base, vp + 16 * c, BF, I8);
+        const float sv = I8 ? vs[vp / D] : 1.0f;
         for (int g = 0; g < G; g++) {
-            const float p = scores[g * n + j];
+            const float p = I8 ? scores[g * n + j] * sv : scores[g * n + j];
             for (int c = 0; c < D / 16; c++) o[g][c] += p * vv[c];
         }
     }
@@ -381,13 +448,16 @@ static inline __attribute__((always_inline)) void pv_v16(const float *scores, co
 /* One query token of one (sequence, KV head): G rows of q against n keys whose rows start at
  * k_cache/v_cache + key_off[j] + kv_head*D (elements). With fast = 1, G <= 16 and D is a
  * multiple of 16, both compile-time constants (see attend_row_group_dispatch); BF (constant):
- * q and the caches hold bf16. */
+ * q holds bf16, and so do the caches unless I8 (constant): int8 caches whose row at element off
+ * has the scale k_scale/v_scale[off / D] (off including kv_head*D). */
 static inline __attribute__((always_inline)) void attend_row_group(
     const Args *a, const int64_t *key_off, int n, const void *q_row, int kv_head,
     void *out_row, float *lse_row, float *scores, float *qs, float *acc, const int G,
-    const int D, const int fast, const int BF) {
-    const void *k_base = at_any(a->k_cache, (int64_t)kv_head * D, BF);
-    const void *v_base = at_any(a->v_cache, (int64_t)kv_head * D, BF);
+    const int D, const int fast, const int BF, const int I8) {
+    const void *k_base = at_kv(a->k_cache, (int64_t)kv_head * D, BF, I8);
+    const void *v_base = at_kv(a->v_cache, (int64_t)kv_head * D, BF, I8);
+    const float *ks = I8 ? a->k_scale + kv_head : NULL; /* ks[key_off[j] / D]: key j's scale */
+    const float *vs = I8 ? a->v_scale + kv_head : NULL;
     const int obf = BF && a->out_bf16; /* 0 for fp32 */
     void *out_h = at_any(out_row, (int64_t)kv_head * G * D, obf); /* the G heads of this KV head */
     if (n <= 0) {
@@ -399,7 +469,7 @@ static inline __attribute__((always_inline)) void attend_row_group(
     const void *q_h = at_any(q_row, (int64_t)kv_head * G * D, BF);
     /* scores[g][j] = scale * q[g] . k_j */
 #if defined(__AVX512BF16__)
-    if (fast && BF && D % 32 == 0) {
+    if (fast && BF && !I8 && D % 32 == 0) {
         qk_dpbf16((const uint16_t *)q_h, a->scale, (const uint16_t *)k_base, key_off, n, G, D,
                   scores);
     } else
@@ -409,16 +479,17 @@ static inline __attribute__((always_inline)) void attend_row_group(
 #pragma omp simd
         for (int i = 0; i < G * D; i++) qs[i] = load1_any(q_h, i, BF) * a->scale;
         if (fast) {
-            qk_v16(qs, k_base, key_off, n, G, D, BF, scores);
+            qk_v16(qs, k_base, ks, key_off, n, G, D, BF, I8, scores);
         } else {
             for (int j = 0; j < n; j++) {
-                const void *kp = at_any(k_base, key_off[j], BF);
+                const void *kp = at_kv(k_base, key_off[j], BF, I8);
+                const float sk = I8 ? ks[key_off[j] / D] : 1.0f;
                 for (int g = 0; g < G; g++) {
                     const float *qg = qs + g * D;
                     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                    for (int d = 0; d < D; d++) s += qg[d] * load1_any(kp, d, BF);
-                    scores[g * n + j] = s;
+                    for (int d = 0; d < D; d++) s += qg[d] * load1_kv(kp, d, BF, I8);
+                    scores[g * n + j] = I8 ? s * sk : s;
                 }
             }
         }
@@ -429,16 +500,17 @@ static inline __attribute__((always_inline)) void attend_row_group(
     /* out[g] = sum_j p[g][j] v_j, in fp32: straight into out, or into acc and then rounded */
     float *dst = obf ? acc : (float *)out_h;
     if (fast) {
-        pv_v16(scores, v_base, key_off, n, G, D, BF, dst);
+        pv_v16(scores, v_base, vs, key_off, n, G, D, BF, I8, dst);
     } else {
         memset(acc, 0, sizeof(float) * G * D);
         for (int j = 0; j < n; j++) {
-            const void *vp = at_any(v_base, key_off[j], BF);
+            const void *vp = at_kv(v_base, key_off[j], BF, I8);
+            const float sv = I8 ? vs[key_off[j] / D] : 1.0f;
             for (int g = 0; g < G; g++) {
-                const float p = scores[g * n + j];
+                const float p = I8 ? scores[g * n + j] * sv : scores[g * n + j];
                 float *ag = acc + g * D;
 #pragma omp simd
-                for (int d = 0; d < D; d++) ag[d] += p * load1_any(vp, d, BF);
+                for (int d = 0; d < D; d++) ag[d] += p * load1_kv(vp, d, BF, I8);
             }
         }
         if (!obf) memcpy(dst, acc, sizeof(float) * G * D);
@@ -446,33 +518,43 @@ static inline __attribute__((always_inline)) void attend_row_group(
     if (obf) store_row_any(out_h, acc, G * D, 1);
 }
 
-/* attend_row_group specialized for the common (G, D) pairs and both dtypes; anything else runs
- * generic code. */
+/* attend_row_group specialized for the common (G, D) pairs and every dtype combination; anything
+ * else runs generic code. */
 static void attend_row_group_dispatch(const Args *a, const int64_t *key_off, int n,
                                       const void *q_row, int kv_head, void *out_row,
                                       float *lse_row, float *scores, float *qs, float *acc) {
     const int G = a->num_heads / a->num_kv_heads;
     const int D = a->head_dim;
+#define CALL(g, d, fast, bf, i8)                                                              \
+    attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, g, d,   \
+                     fast, bf, i8)
 #define CASE(g, d)                                                                             \
     if (G == g && D == d) {                                                                    \
-        if (a->bf16)                                                                           \
-            attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, \
-                             g, d, 1, 1);                                                      \
+        if (a->kv_i8) {                                                                        \
+            if (a->bf16)                                                                       \
+                CALL(g, d, 1, 1, 1);                                                           \
+            else                                                                               \
+                CALL(g, d, 1, 0, 1);                                                           \
+        } else if (a->bf16)                                                                    \
+            CALL(g, d, 1, 1, 0);                                                               \
         else                                                                                   \
-            attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, \
-                             g, d, 1, 0);                                                      \
+            CALL(g, d, 1, 0, 0);                                                               \
         return;                                                                                \
     }
     /* G = 5, 6, 7: Qwen2.5's 40:8, 12:2, 14:2 and 28:4 heads */
     CASE(1, 64) CASE(2, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64)
     CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(5, 128) CASE(6, 128) CASE(7, 128) CASE(8, 128)
 #undef CASE
-    if (a->bf16)
-        attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, G, D,
-                         0, 1);
+    if (a->kv_i8) {
+        if (a->bf16)
+            CALL(G, D, 0, 1, 1);
+        else
+            CALL(G, D, 0, 0, 1);
+    } else if (a->bf16)
+        CALL(G, D, 0, 1, 0);
     else
-        attend_row_group(a, key_off, n, q_row, kv_head, out_row, lse_row, scores, qs, acc, G, D,
-                         0, 0);
+        CALL(G, D, 0, 0, 0);
+#undef CALL
 }
 
 static void run_task(Task *t) {
@@ -678,8 +760,8 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
     for (int j = 0; j < num_keys; j++) {
         const int p = k0 + j;
         const int64_t off = ((int64_t)table[p / bs] * bs + p % bs) * kv_row + (int64_t)it->kv_head * D;
-        load_row_any(kbuf + (int64_t)j * D, at_any(a->k_cache, off, bf), D, bf);
-        load_row_any(vbuf + (int64_t)j * D, at_any(a->v_cache, off, bf), D, bf);
+        load_kv_row(kbuf + (int64_t)j * D, a->k_cache, a->k_scale, off, D, bf, a->kv_i8);
+        load_kv_row(vbuf + (int64_t)j * D, a->v_cache, a->v_scale, off, D, bf, a->kv_i8);
     }
     const int padded = (num_keys + 15) & ~15;
     memset(kbuf + (int64_t)num_keys * D, 0, sizeof(float) * D * (padded - num_keys));
@@ -793,7 +875,8 @@ typedef struct {
 } PrefixItem;
 
 static int prefix_attention_merge(const void *q, int64_t q_stride, const void *k_cache,
-                                  const void *v_cache, const int64_t *slots,
+                                  const void *v_cache, const float *k_scale,
+                                  const float *v_scale, int kv_i8, const int64_t *slots,
                                   const int64_t *slot_off, const int64_t *rows,
                                   const int64_t *row_off, int num_prefixes, float *out,
                                   float *lse, int num_heads, int num_kv_heads, int head_dim,
@@ -858,9 +941,10 @@ static int prefix_attention_merge(const void *q, int64_t q_stride, const void *k
         float *base = kv + kv_at[c];
         for (int h = 0; h < num_kv_heads; h++) {
             const int64_t off = slots[j] * kv_row + (int64_t)h * D;
-            load_row_any(base + ((int64_t)h * padded + p) * D, at_any(k_cache, off, bf), D, bf);
-            load_row_any(base + ((int64_t)(num_kv_heads + h) * padded + p) * D,
-                         at_any(v_cache, off, bf), D, bf);
+            load_kv_row(base + ((int64_t)h * padded + p) * D, k_cache, k_scale, off, D, bf,
+                        kv_i8);
+            load_kv_row(base + ((int64_t)(num_kv_heads + h) * padded + p) * D, v_cache,
+                        v_scale, off, D, bf, kv_i8);
         }
     }
 #ifdef _OPENMP
@@ -924,9 +1008,9 @@ int prefix_attention_merge_f32(const float *q, int64_t q_stride, const float *k_
                                const int64_t *row_off, int num_prefixes, float *out, float *lse,
                                int num_heads, int num_kv_heads, int head_dim, float scale,
                                int num_threads) {
-    return prefix_attention_merge(q, q_stride, k_cache, v_cache, slots, slot_off, rows, row_off,
-                                  num_prefixes, out, lse, num_heads, num_kv_heads, head_dim,
-                                  scale, num_threads, 0);
+    return prefix_attention_merge(q, q_stride, k_cache, v_cache, NULL, NULL, 0, slots, slot_off,
+                                  rows, row_off, num_prefixes, out, lse, num_heads, num_kv_heads,
+                                  head_dim, scale, num_threads, 0);
 }
 
 /* prefix_attention_merge_f32 with q, k_cache and v_cache in bf16; out and lse stay fp32 (the
@@ -937,9 +1021,23 @@ int prefix_attention_merge_bf16(const uint16_t *q, int64_t q_stride, const uint1
                                 const int64_t *row_off, int num_prefixes, float *out, float *lse,
                                 int num_heads, int num_kv_heads, int head_dim, float scale,
                                 int num_threads) {
-    return prefix_attention_merge(q, q_stride, k_cache, v_cache, slots, slot_off, rows, row_off,
-                                  num_prefixes, out, lse, num_heads, num_kv_heads, head_dim,
-                                  scale, num_threads, 1);
+    return prefix_attention_merge(q, q_stride, k_cache, v_cache, NULL, NULL, 0, slots, slot_off,
+                                  rows, row_off, num_prefixes, out, lse, num_heads, num_kv_heads,
+                                  head_dim, scale, num_threads, 1);
+}
+
+/* prefix_attention_merge_f32 over int8 caches with per (slot, KV head) scales k_scale, v_scale
+ * ([num_blocks, block_size, Hkv] fp32), dequantized as they are gathered; q fp32 or (q_bf16)
+ * bf16; out and lse fp32. */
+int prefix_attention_merge_i8(const void *q, int64_t q_stride, int q_bf16, const int8_t *k_cache,
+                              const int8_t *v_cache, const float *k_scale, const float *v_scale,
+                              const int64_t *slots, const int64_t *slot_off, const int64_t *rows,
+                              const int64_t *row_off, int num_prefixes, float *out, float *lse,
+                              int num_heads, int num_kv_heads, int head_dim, float scale,
+                              int num_threads) {
+    return prefix_attention_merge(q, q_stride, k_cache, v_cache, k_scale, v_scale, 1, slots,
+                                  slot_off, rows, row_off, num_prefixes, out, lse, num_heads,
+                                  num_kv_heads, head_dim, scale, num_threads, q_bf16 != 0);
 }
 
 /* The per-token variant of paged_attention_f32. Returns 0 on success, nonzero when a thread's
@@ -1009,7 +1107,7 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
     if (num_seqs <= 0) return 0;
     const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
                     out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
-                    block_size, 0, scale, 0, 0};
+                    block_size, 0, scale, 0, 0, 0, NULL, NULL};
     return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
 }
 
@@ -1024,7 +1122,27 @@ int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
     if (num_seqs <= 0) return 0;
     const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
                     out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
-                    block_size, 0, scale, 1, out_bf16 != 0};
+                    block_size, 0, scale, 1, out_bf16 != 0, 0, NULL, NULL};
+    return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
+}
+
+/* paged_attention_f32 over int8 caches k_cache, v_cache [num_blocks, block_size, Hkv, D] with
+ * scales k_scale, v_scale [num_blocks, block_size, Hkv] (fp32): key/value row (slot s, head h)
+ * is the integers times scale[s*Hkv + h]. q fp32 or (q_bf16) bf16; out fp32, or bf16 when
+ * q_bf16 and out_bf16; lse fp32. Per token, the integers are widened in registers and each
+ * scale applied once to a dot product (K) or a softmax weight (V); tiled, rows are dequantized
+ * (q * scale in fp32) as the keys are gathered. */
+int paged_attention_i8(const void *q, int64_t q_stride, int q_bf16, const int8_t *k_cache,
+                       const int8_t *v_cache, const float *k_scale, const float *v_scale,
+                       const int32_t *block_tables, int64_t bt_stride,
+                       const int32_t *cu_seqlens_q, const int32_t *seq_lens,
+                       const int32_t *k_start, const int32_t *seqs, int num_seqs, void *out,
+                       int out_bf16, float *lse, int num_heads, int num_kv_heads, int head_dim,
+                       int block_size, float scale, int tiled, int num_threads) {
+    if (num_seqs <= 0) return 0;
+    const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
+                    out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
+                    block_size, 0, scale, q_bf16 != 0, q_bf16 && out_bf16, 1, k_scale, v_scale};
     return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
 }
 
@@ -1050,6 +1168,51 @@ void store_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64
         if (slot < 0) continue;
         memcpy(k_cache + slot * row_elems, k + t * k_stride, sizeof(uint16_t) * row_elems);
         memcpy(v_cache + slot * row_elems, v + t * v_stride, sizeof(uint16_t) * row_elems);
+    }
+}
+
+/* One row of D values (x fp32, or bf16 when bf) quantized into int8 dst and its scale, by
+ * kernels/reference.py's rule: scale = amax / 127 and q = round-half-to-even(clamp(x / scale,
+ * -127, 127)), both IEEE fp32 divisions (no reciprocal, nothing to contract into an FMA; rintf
+ * rounds half to even in the default mode); q = 0 where !(scale > 0). */
+static void quantize_row_i8(const void *x, int D, int bf, int8_t *dst, float *scale_out) {
+    float amax = 0.0f;
+    for (int d = 0; d < D; d++) {
+        const float ax = fabsf(load1_any(x, d, bf));
+        amax = ax > amax || ax != ax ? ax : amax; /* a NaN sticks, as torch's amax */
+    }
+    const float sc = amax / 127.0f;
+    *scale_out = sc;
+    if (!(sc > 0.0f)) {
+        memset(dst, 0, (size_t)D);
+        return;
+    }
+    for (int d = 0; d < D; d++) {
+        float y = load1_any(x, d, bf) / sc;
+        y = y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y;
+        dst[d] = (int8_t)rintf(y);
+    }
+}
+
+/* store_kv_f32 into int8 caches: row t of k (Hkv heads of D fp32, or bf16 when x_bf16, at
+ * k + t*k_stride) quantized per head into slot slots[t] of k_cache [num_blocks, block_size,
+ * Hkv, D] and its scales into k_scale [num_blocks, block_size, Hkv]; the same for v. Slots < 0
+ * are skipped. */
+void store_kv_i8(const void *k, int64_t k_stride, const void *v, int64_t v_stride, int x_bf16,
+                 int8_t *k_cache, int8_t *v_cache, float *k_scale, float *v_scale,
+                 const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim) {
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t src = (int64_t)h * head_dim, dst = slot * row + src;
+            const int64_t si = slot * num_kv_heads + h;
+            quantize_row_i8(at_any(k, t * k_stride + src, x_bf16), head_dim, x_bf16,
+                            k_cache + dst, k_scale + si);
+            quantize_row_i8(at_any(v, t * v_stride + src, x_bf16), head_dim, x_bf16,
+                            v_cache + dst, v_scale + si);
+        }
     }
 }
 

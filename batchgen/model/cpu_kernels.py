@@ -3,6 +3,11 @@
 merged into its rows' results, the K/V store, one-pass RMSNorm, RoPE and SwiGLU (each for fp32
 and for bf16 tensors), and the sampler's hashed noise and temperature-only draw (fp32).
 
+int8 KV cache (``kv_cache_dtype: int8``): the store quantizes each (token, KV head) row with its
+own fp32 scale (``kernels.reference.quantize_kv_ref``'s rule, bit for bit) into int8 caches and
+scale tensors; attention (fp32 or bf16 q) reads one byte per element, widening the integers in
+registers and applying each scale once per (token, head).
+
 bf16 tensors: attention reads bf16 K/V in place and computes in fp32 (AVX512-BF16 dot products
 for q.k where the compiler targets them, a portable conversion otherwise;
 ``BATCHGEN_CPU_KERNEL_AVX512BF16=0`` builds without them), rounding its output once; the
@@ -45,6 +50,15 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # the portable bf16 build: bf16 converted by shifts, no AVX512-BF16 instructions
 _NO_AVX512BF16 = ["-mno-avx512bf16"]
 _DTYPES = (torch.float32, torch.bfloat16)
+# (cache dtype, compute dtype) pairs the kernels serve
+_KV_DTYPES = frozenset(
+    {
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.int8, torch.float32),
+        (torch.int8, torch.bfloat16),
+    }
+)
 
 
 def _cache_dir() -> Path:
@@ -103,6 +117,24 @@ def _bind(fn: ctypes._CFuncPtr, restype: type | None, *argtypes: type) -> ctypes
     return fn
 
 
+def _scales_ok(
+    k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None
+) -> bool:
+    """Whether the caches and scales form a valid pair: int8 caches with contiguous fp32 scales
+    ``[num_blocks, block_size, Hkv]``, or float caches without scales."""
+    if k_cache.dtype != torch.int8:
+        return k_scale is None and v_scale is None
+    return (
+        v_cache.dtype == torch.int8
+        and k_scale is not None
+        and v_scale is not None
+        and all(
+            s.dtype == torch.float32 and s.is_contiguous() and s.shape == k_cache.shape[:3]
+            for s in (k_scale, v_scale)
+        )
+    )
+
+
 class CpuKernels:
     """ctypes bindings of the C functions (see the C file for their exact semantics). Each method
     checks dtypes, shapes and strides (not the index values inside its tensors: those come from
@@ -138,11 +170,23 @@ class CpuKernels:
             dt: _bind(getattr(lib, f"prefix_attention_merge_{sfx}"), ctypes.c_int, *prefix_args)
             for dt, sfx in _SUFFIX.items()
         }
+        self._attention_i8 = _bind(lib.paged_attention_i8, ctypes.c_int, p, i64, i32, p, p, p, p,
+                                   p, i64, p, p, p, p, i32, p, i32, p, i32, i32, i32, i32, f32,
+                                   i32, i32)  # fmt: skip
+        self._store_i8 = _bind(lib.store_kv_i8, None, p, i64, p, i64, i32, p, p, p, p, p, i64, i32,
+                               i32)  # fmt: skip
+        self._prefix_i8 = _bind(lib.prefix_attention_merge_i8, ctypes.c_int, p, i64, i32, p, p, p,
+                                p, p, p, p, p, i32, p, p, i32, i32, i32, f32, i32)  # fmt: skip
         self._noise = _bind(lib.uniform_noise_f32, None, p, p, i64, p, i64, i64)
         self._race = _bind(lib.race_draw_f32, None, p, i64, p, p, i64, i64, p)
         self.path = path
         # whether bf16 attention uses the AVX512-BF16 dot products (else the portable path)
         self.avx512bf16 = bool(_bind(lib.cpu_kernels_avx512bf16, ctypes.c_int)())
+
+    def supports_kv_dtype(self, cache_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+        """Whether attention and the store serve a KV cache of ``cache_dtype`` with q, k, v (and
+        the model) in ``compute_dtype``: fp32/fp32, bf16/bf16, int8/fp32 and int8/bf16."""
+        return (cache_dtype, compute_dtype) in _KV_DTYPES
 
     def prefix_attention_merge_(
         self,
@@ -156,6 +200,8 @@ class CpuKernels:
         out: Tensor,
         lse: Tensor,
         scale: float,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
     ) -> None:
         """Attend shared prefixes and merge into their rows of ``out`` and ``lse`` in place (see
         ``prefix_attention_merge_f32``). Prefix c: cache slots ``slots[slot_offsets[c] :
@@ -163,13 +209,16 @@ class CpuKernels:
         belongs to one prefix at most. q ``[T, Hq, D]`` with each row's heads contiguous; caches
         ``[num_blocks, block_size, Hkv, D]``; q and caches fp32 or bf16; out ``[T, Hq, D]`` and
         lse ``[T, Hq]`` contiguous fp32 (also for bf16 q: the caller rounds out once, after the
-        last merge); indices int64, contiguous."""
+        last merge); indices int64, contiguous. int8 caches (fp32 or bf16 q): with their scales
+        ``[num_blocks, block_size, Hkv]`` fp32 contiguous (see :meth:`store_kv`)."""
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
         c = slot_offsets.numel() - 1
+        i8 = k_cache.dtype == torch.int8
         if not (
             q.dtype in _DTYPES
-            and q.dtype == k_cache.dtype == v_cache.dtype
+            and (i8 or q.dtype == k_cache.dtype == v_cache.dtype)
+            and _scales_ok(k_cache, v_cache, k_scale, v_scale)
             and out.dtype == lse.dtype == torch.float32
             and q.stride(2) == 1
             and q.stride(1) == d
@@ -189,11 +238,20 @@ class CpuKernels:
             and row_offsets.numel() == c + 1
         ):
             raise ValueError("cpu prefix attention: unsupported dtypes, shapes or strides")
-        rc = self._prefix[q.dtype](q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-                                   v_cache.data_ptr(), slots.data_ptr(), slot_offsets.data_ptr(),
-                                   rows.data_ptr(), row_offsets.data_ptr(), c, out.data_ptr(),
-                                   lse.data_ptr(), hq, hkv, d, scale,
-                                   torch.get_num_threads())  # fmt: skip
+        if i8:
+            assert k_scale is not None and v_scale is not None
+            rc = self._prefix_i8(q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16),
+                                 k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(),
+                                 v_scale.data_ptr(), slots.data_ptr(), slot_offsets.data_ptr(),
+                                 rows.data_ptr(), row_offsets.data_ptr(), c, out.data_ptr(),
+                                 lse.data_ptr(), hq, hkv, d, scale,
+                                 torch.get_num_threads())  # fmt: skip
+        else:
+            rc = self._prefix[q.dtype](q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                                       v_cache.data_ptr(), slots.data_ptr(),
+                                       slot_offsets.data_ptr(), rows.data_ptr(),
+                                       row_offsets.data_ptr(), c, out.data_ptr(), lse.data_ptr(),
+                                       hq, hkv, d, scale, torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise MemoryError("cpu prefix attention: out of memory for its buffers")
 
@@ -295,15 +353,29 @@ class CpuKernels:
         return gate_up[:, : two_i // 2]
 
     def store_kv(
-        self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+        self,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        slot_mapping: Tensor,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
     ) -> None:
         """``cache[slot_mapping[t]] = k[t]`` (and v): k/v ``[T, Hkv, D]`` with each row's heads
         contiguous; caches ``[num_blocks, block_size, Hkv, D]`` contiguous; all fp32 or all
-        bf16; slot_mapping ``[T]`` int64 (negative slots are skipped)."""
+        bf16; slot_mapping ``[T]`` int64 (negative slots are skipped).
+
+        int8 caches: k/v fp32 or bf16, each (token, KV head) row quantized with its own scale
+        into the caches and k_scale/v_scale ``[num_blocks, block_size, Hkv]`` (fp32, contiguous),
+        bit for bit ``kernels.reference.quantize_kv_ref``."""
         t, hkv, d = k.shape
+        i8 = k_cache.dtype == torch.int8
         if not (
             k.dtype in _DTYPES
-            and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and k.dtype == v.dtype
+            and (i8 or k.dtype == k_cache.dtype == v_cache.dtype)
+            and _scales_ok(k_cache, v_cache, k_scale, v_scale)
             and v.shape == k.shape
             and k.stride(2) == v.stride(2) == 1
             and k.stride(1) == v.stride(1) == d
@@ -316,6 +388,13 @@ class CpuKernels:
             and slot_mapping.numel() == t
         ):
             raise ValueError("cpu store_kv: unsupported dtypes, shapes or strides")
+        if i8:
+            assert k_scale is not None and v_scale is not None
+            self._store_i8(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                           int(k.dtype == torch.bfloat16), k_cache.data_ptr(), v_cache.data_ptr(),
+                           k_scale.data_ptr(), v_scale.data_ptr(), slot_mapping.data_ptr(), t,
+                           hkv, d)  # fmt: skip
+            return
         self._store[k.dtype](
             k.data_ptr(),
             k.stride(0),
@@ -342,6 +421,8 @@ class CpuKernels:
         k_start: Tensor | None = None,
         lse: Tensor | None = None,
         tiled: bool = False,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
     ) -> None:
         """Attention of the sequences ``seqs`` ``[m]`` int32, written into their rows of ``out``.
 
@@ -355,12 +436,18 @@ class CpuKernels:
         ``[B]`` (first key each sequence attends to; None = 0): int32, contiguous;
         out ``[T, Hq, D]`` contiguous, q's dtype or fp32 (bf16 q: rounded once into bf16, or
         kept in fp32 for a merge to follow); lse ``[T, Hq]`` (optional): contiguous fp32.
+
+        int8 caches (q fp32 or bf16): with their scales k_scale/v_scale ``[num_blocks,
+        block_size, Hkv]`` fp32 contiguous (see :meth:`store_kv`); the result is attention over
+        the dequantized cache (``q * scale`` in fp32) up to fp32 rounding.
         """
         t, hq, d = q.shape
         num_blocks, block_size, hkv, dk = k_cache.shape
+        i8 = k_cache.dtype == torch.int8
         if not (
             q.dtype in _DTYPES
-            and q.dtype == k_cache.dtype == v_cache.dtype
+            and (i8 or q.dtype == k_cache.dtype == v_cache.dtype)
+            and _scales_ok(k_cache, v_cache, k_scale, v_scale)
             and out.dtype in (q.dtype, torch.float32)
             and q.stride(2) == 1
             and q.stride(1) == d
@@ -380,11 +467,21 @@ class CpuKernels:
             and hq % hkv == 0
         ):
             raise ValueError("cpu paged attention: unsupported dtypes, shapes or strides")
+        if i8:
+            assert k_scale is not None and v_scale is not None
+            head: tuple[int, ...] = (
+                q.data_ptr(),
+                q.stride(0),
+                int(q.dtype == torch.bfloat16),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                k_scale.data_ptr(),
+                v_scale.data_ptr(),
+            )
+        else:
+            head = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr())
         common = (
-            q.data_ptr(),
-            q.stride(0),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
+            *head,
             block_tables.data_ptr(),
             block_tables.stride(0),
             cu_seqlens_q.data_ptr(),
@@ -394,8 +491,11 @@ class CpuKernels:
             seqs.numel(),
             out.data_ptr(),
         )
-        if q.dtype == torch.bfloat16:
+        if i8:
             out_bf16: tuple[int, ...] = (int(out.dtype == torch.bfloat16),)
+            fn = self._attention_i8
+        elif q.dtype == torch.bfloat16:
+            out_bf16 = (int(out.dtype == torch.bfloat16),)
             fn = self._attention_bf16
         else:
             out_bf16, fn = (), self._attention
