@@ -304,19 +304,27 @@ def test_triton_attention_over_quantized_cache(case: tuple) -> None:
     assert_close(actual, expected)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "c-kernels"])
 @pytest.mark.parametrize("case", quant_params())
-def test_torch_backend_over_quantized_cache(case: tuple) -> None:
-    """The torch backend's reference path (no C kernels): stores quantize_kv_ref's bytes, and
-    attends over the dequantized cache, the step's own keys included (FRESH groups too)."""
+def test_torch_backend_over_quantized_cache(case: tuple, native: bool) -> None:
+    """The torch backend, in PyTorch (``native=False``) and with the C kernels where they serve
+    the cache (int8 with fp32 or bf16 compute): stores quantize_kv_ref's bytes, and attends over
+    the dequantized cache, the step's own keys included (FRESH groups too)."""
+    from batchgen.model import cpu_kernels
+
     seqs, hq, hkv, d, dtype, cache_dtype, bs, _, share = case
+    kernels = cpu_kernels.for_dtype(DEVICE, dtype) if native else None
+    if native and (kernels is None or not kernels.supports_kv_dtype(cache_dtype, dtype)):
+        pytest.skip("the C kernels do not serve this cache here")
     q, k, v, data, scales, meta = build_quantized_step(
         seqs, hq, hkv, d, dtype, cache_dtype, bs, share=share
     )
     want_data, want_scales = data.clone(), scales.clone()
     store_ref(k, want_data[0], want_scales[0], meta.slot_mapping)
     store_ref(v, want_data[1], want_scales[1], meta.slot_mapping)
-    backend = TorchAttention(native=False)
+    backend = TorchAttention(native=native)
     plan = backend.prepare(meta, data[None], hq, dtype)
+    assert (plan.kernels is not None) == native
     scale = d**-0.5
     out = backend.forward(q, k, v, data[0], data[1], plan, scale, scales[0], scales[1])
     assert same_bytes(data, want_data) and same_bytes(scales, want_scales)

@@ -60,8 +60,9 @@ def _attend_lse(
 class TorchAttention:
     """PyTorch paged attention (the CPU production path).
 
-    On a CPU fp32 or bf16 cache, every sequence and every cascade prefix runs in the C kernels of
-    :mod:`batchgen.model.cpu_kernels` (they read the paged cache in place) when they can be built,
+    On a CPU fp32 or bf16 cache, and an int8 cache with fp32 or bf16 compute, every sequence and
+    every cascade prefix runs in the C kernels of :mod:`batchgen.model.cpu_kernels` (they read
+    the paged cache in place, int8 dequantized in registers) when they can be built,
     but for long fresh prefills on a bf16 cache (PyTorch SDPA groups, see ``torch_plan``);
     ``native=False`` keeps everything in PyTorch (gathers and SDPA). ``prepare`` builds the
     step's ``TorchAttentionPlan``; ``forward`` runs it for one layer. Holds grow-only gather
@@ -142,7 +143,7 @@ class TorchAttention:
             assert k_scale is not None and v_scale is not None, "a quantized cache needs scales"
             scales = (k_scale.view(-1, num_kv_heads), v_scale.view(-1, num_kv_heads))
             if kernels is not None:
-                kernels.store_kv(  # type: ignore[call-arg]
+                kernels.store_kv(
                     k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale
                 )
             else:
