@@ -69,10 +69,11 @@ def test_tokens_and_logprobs_across_batch_shapes(tiny_model, tmp_path, dtype: st
 
 # int8 KV cache: every stored byte is a function of its own token's K/V, so the cache holds the same
 # bytes whatever the batch shape, but for a K/V element that the shape's float rounding moves
-# across a quantization boundary (one step of absmax/127). Measured max |logprob difference|
-# (fp32 compute, CPU, torch path): 1.5e-5, 1.5e-5 and 4.7e-6 for the three settings below, no
-# near-tie exemption in 144 samples; the bound is the float32 one.
-INT8_LOGPROB_ATOL = LOGPROB_ATOL["float32"]
+# across a quantization boundary (one step of absmax/127), which moves that token's logprobs more
+# than float rounding alone. Measured max |logprob difference| (fp32 compute, CPU) for the three
+# settings below: with the C kernels 4.1e-4, 0 and 5.4e-5; in the torch path (before the C
+# kernels served int8) 1.5e-5, 1.5e-5 and 4.7e-6; no near-tie exemption in 144 samples.
+INT8_LOGPROB_ATOL = 2e-3
 INT8_SETTINGS = {
     "chunks-of-64-one-seq": {"max_num_seqs": 1, "max_num_batched_tokens": 64},
     "block-4-no-prefix-cache": {"block_size": 4, "prefix_caching": False, "max_num_seqs": 5},
