@@ -18,9 +18,10 @@ above the tokenizer's range decode to nothing, which does not change the work). 
 (long contexts, decode-bound: 8 prompts of 1,500-3,000 tokens, n=4, 128 new tokens; not in the
 default set) runs "long", the small model with 4,096 positions.
 
-`--kv-cache-dtypes auto,int8` adds batchgen rows (engine.dtype auto) per KV cache dtype, all at
-the same engine.kv_cache_memory (`--kv-cache-memory`), and a table of their speed and of how many
-tokens each cache holds in that memory.
+`--kv-cache-dtypes auto,int8` adds batchgen rows per KV cache dtype (engine.dtype
+`--kv-compute-dtype`, default auto), all at the same engine.kv_cache_memory
+(`--kv-cache-memory`), and a table of their speed and of how many tokens each cache holds in
+that memory.
 
 Per workload the bench runs batchgen (its CLI, in a subprocess) with `engine.dtype: auto` (the
 dtype its users get; the resolved one is read from `_report.json`) and the other of fp32/bf16;
@@ -541,8 +542,8 @@ def format_kv_table(results: list[dict], memory: int) -> str:
         return ""
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines = [
-        f"KV cache dtypes: batchgen engine.dtype auto, tokens held at kv_cache_memory "
-        f"{memory / 2**30:g} GiB",
+        f"KV cache dtypes: batchgen, tokens held at kv_cache_memory {memory / 2**30:g} GiB "
+        "(kv cache auto: the compute dtype)",
         "  ".join(h.ljust(wd) for h, wd in zip(header, widths, strict=True)).rstrip(),
         "  ".join("-" * wd for wd in widths),
         *(
@@ -1036,6 +1037,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default: auto",
     )
     parser.add_argument(
+        "--kv-compute-dtype",
+        default="auto",
+        help="engine.dtype of the --kv-cache-dtypes rows (auto, float32, bfloat16); e.g. "
+        "float32 to compare int8 with a float32 cache on a CPU where auto is bf16",
+    )
+    parser.add_argument(
         "--kv-cache-memory",
         default=None,
         help="engine.kv_cache_memory of every batchgen run (so the KV cache dtypes compare at the "
@@ -1164,15 +1171,17 @@ def main() -> None:
                 )
                 bg_auto = run.get("dtype") or bg_auto
                 bg_runs.setdefault(run.get("dtype") or "auto", []).append(run)
-                kv_runs.setdefault("auto", []).append(run)
+                if args.kv_compute_dtype == "auto":
+                    kv_runs.setdefault("auto", []).append(run)
                 _print_run(f"batchgen auto ({short(run.get('dtype'))}) #{k}", run)
-            for kv in kv_dtypes:
-                if kv == "auto":
-                    continue
-                where = out / "runs" / f"batchgen-{w.name}-auto-kv-{kv}"
-                run = run_batchgen(w, model, data, where, "auto", args, kv_cache_dtype=kv)
+            for kv in kv_dtypes if len(kv_dtypes) > 1 else ():
+                compute = args.kv_compute_dtype
+                if kv == "auto" and compute == "auto" and "auto" in bg_words:
+                    continue  # the auto run above
+                where = out / "runs" / f"batchgen-{w.name}-{compute}-kv-{kv}"
+                run = run_batchgen(w, model, data, where, compute, args, kv_cache_dtype=kv)
                 kv_runs.setdefault(kv, []).append(run)
-                _print_run(f"batchgen auto, kv_cache_dtype {kv} #{k}", run)
+                _print_run(f"batchgen {compute}, kv_cache_dtype {kv} #{k}", run)
             rest = [x for x in bg_words if x != "auto"]
             for d in plan_dtypes(rest, bg_auto or bg_expected, "auto", native):
                 if d == bg_auto:
@@ -1269,6 +1278,7 @@ def main() -> None:
     table = format_table(results)
     if any(kv != "auto" for kv in kv_dtypes):
         table += "\n\n" + format_kv_table(results, kv_memory)
+        table += f"\n(engine.dtype of these rows: {args.kv_compute_dtype})"
     print()
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     dirty = " (+ local changes)" if git_start["dirty"] else ""
