@@ -2,7 +2,7 @@
 
 A resume is allowed only into a folder of the same fingerprint. It covers the model (config,
 weights, tokenizer), the input files and column settings, the sampling settings, and the numerics
-the engines resolved (``numerics``: ``dtype=...``); the other engine, executor and output settings
+the engines resolved (``numerics``: ``dtype=...,kv_cache_dtype=...``); the other engine, executor and output settings
 change how, not what, so a job may resume with others.
 """
 
@@ -26,11 +26,21 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
-def numerics(dtype: str) -> str:
+def numerics(dtype: str, kv_cache_dtype: str | None = None) -> str:
     """The numerics a job runs with, resolved (never ``auto``), as the fingerprint records them:
-    ``dtype=float32``. kv_cache_dtype, once it exists, is one more key here."""
-    values = {"dtype": dtype}
+    ``dtype=float32,kv_cache_dtype=int8``. ``kv_cache_dtype`` None: the same as ``dtype``."""
+    values = {"dtype": dtype, "kv_cache_dtype": kv_cache_dtype or dtype}
     return ",".join(f"{k}={v}" for k, v in values.items())
+
+
+def upgrade_numerics(text: str) -> str:
+    """A recorded numerics text in today's form: folders written before the KV cache could be
+    quantized recorded ``dtype=X`` alone, and their cache was of dtype X
+    (``dtype=X,kv_cache_dtype=X``). Other texts are returned as they are."""
+    values = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+    if set(values) != {"dtype"}:
+        return text
+    return numerics(values["dtype"])
 
 
 def fingerprint(
@@ -41,7 +51,7 @@ def fingerprint(
 ) -> dict[str, str]:
     """What decides a job's results, as short hashes under ``model``, ``input``, ``sampling``,
     and under ``numerics`` (when given, see :func:`numerics`) the resolved numerics as text,
-    e.g. ``dtype=float32``.
+    e.g. ``dtype=float32,kv_cache_dtype=float32``.
 
     ``model_identity`` (config, weights, tokenizer) and ``input_identity`` (the files) come from
     whoever inspected them; the input column settings are added here. The other engine settings,

@@ -330,13 +330,15 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 class EngineConfig(_Section):
     """``engine:``: how the work is done. Not in the fingerprint, a job may resume with others,
-    except the numerics it resolves to (``dtype``, see :func:`numerics`).
+    except the numerics it resolves to (``dtype`` and ``kv_cache_dtype``, see :func:`numerics`).
 
     ``kv_cache_memory`` is a positive int of bytes or ``"auto"`` after validation.
     """
 
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # auto: the resolved dtype; int8 / fp8_e4m3: one fp32 scale per token and KV head
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3"] = "auto"
     block_size: int = Field(default=16, ge=1)
     kv_cache_memory: MemorySize = "auto"
     kv_cache_blocks: int | None = Field(default=None, ge=1)

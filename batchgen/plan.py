@@ -34,16 +34,71 @@ GPU_RESERVE_SHARE = 0.04  # of total device memory kept free (allocator fragment
 DEFAULT_CPU_MEMORY = 8 << 30  # assumed available where /proc/meminfo cannot be read
 
 
+# engine.kv_cache_dtype values (but auto) -> the cache tensor's dtype
+KV_CACHE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
 @dataclass(frozen=True)
 class Placement:
     device: torch.device
     dtype: torch.dtype
     backend: str  # "torch" | "triton"
     dtype_reason: str = "set in the job"  # why this dtype, as validate and the report say it
+    kv_dtype: torch.dtype | None = None  # the KV cache's dtype; None: dtype
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache tensor's dtype (int8 / float8_e4m3fn: quantized, with scales)."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """As ``engine.kv_cache_dtype`` spells it (``fp8_e4m3``, ``int8``, ``float32``, ...)."""
+        return kv_dtype_name(self.kv_cache_dtype)
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """``engine.kv_cache_dtype``'s name of a cache dtype."""
+    return next(name for name, d in KV_CACHE_DTYPES.items() if d == dtype)
+
+
+def resolve_kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """``engine.kv_cache_dtype`` on ``device`` with compute ``dtype``: auto is dtype; JobError
+    for a combination no attention path runs: fp8_e4m3 on a CPU or on a GPU without fp8
+    (compute capability < 8.9), and a float cache of another dtype than the compute dtype."""
+    if name == "auto":
+        return dtype
+    kv = KV_CACHE_DTYPES[name]
+    if kv == torch.float8_e4m3fn:
+        if device.type != "cuda":
+            raise JobError(
+                "engine.kv_cache_dtype fp8_e4m3 needs a CUDA GPU with fp8 (compute capability "
+                "8.9+); on a CPU use int8"
+            )
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise JobError(
+                f"engine.kv_cache_dtype fp8_e4m3 needs a GPU with fp8 (compute capability 8.9+); "
+                f"{device} is {major}.{minor}: use int8"
+            )
+    elif kv not in QUANTIZED_KV_DTYPES and kv != dtype:
+        compute = str(dtype).removeprefix("torch.")
+        raise JobError(
+            f"engine.kv_cache_dtype {name} differs from the compute dtype {compute}: a float KV "
+            f"cache is kept in the compute dtype (set auto or {compute}, or int8 to quantize)"
+        )
+    return kv
 
 
 def resolve_placement(job: Job) -> Placement:
@@ -69,7 +124,8 @@ def resolve_placement(job: Job) -> Placement:
             "engine.attention_backend is 'triton' on a CPU: set TRITON_INTERPRET=1 "
             "(slow, for testing) or use 'torch'"
         )
-    return Placement(device, dtype, backend, reason)
+    kv_dtype = resolve_kv_cache_dtype(eng.kv_cache_dtype, device, dtype)
+    return Placement(device, dtype, backend, reason, kv_dtype)
 
 
 def _check_cuda_graphs(setting: str, device: torch.device, backend: str) -> None:
@@ -120,7 +176,9 @@ def job_numerics(job: Job, folder: Path) -> tuple[str, tuple[str, ...]]:
     else:
         device = torch.device(eng.device)
     dtype = auto_dtype(device)[0] if eng.dtype == "auto" else getattr(torch, eng.dtype)
-    text = numerics(str(dtype).removeprefix("torch."))
+    dtype_name = str(dtype).removeprefix("torch.")
+    kv_name = dtype_name if eng.kv_cache_dtype == "auto" else eng.kv_cache_dtype
+    text = numerics(dtype_name, kv_name)
     if job.executor.kind == "ray" and eng.dtype == "auto":
         with contextlib.suppress(JobError):
             recorded = ((read_manifest(folder) or {}).get("fingerprint") or {}).get("numerics")
@@ -171,7 +229,7 @@ def plan_num_blocks(
     planned instead.
     """
     eng = job.engine
-    block_bytes = info.kv_bytes_per_token(place.dtype) * eng.block_size
+    block_bytes = info.kv_bytes_per_token(place.kv_cache_dtype) * eng.block_size
     if eng.kv_cache_blocks is not None:
         return eng.kv_cache_blocks
     if eng.kv_cache_memory != "auto":
@@ -254,16 +312,22 @@ def sampling_params(job: Job) -> SamplingParams:
 def describe_engine(job: Job, info: ModelInfo, place: Placement) -> list[str]:
     """The ``device``, ``KV cache`` and ``max_model_len`` lines of ``validate``'s plan."""
     num_blocks = plan_num_blocks(job, info, place)
-    per_token = info.kv_bytes_per_token(place.dtype)
+    per_token = info.kv_bytes_per_token(place.kv_cache_dtype)
     bs = job.engine.block_size
     length: int | str = max_model_len(job, info, num_blocks)
     if length < min(info.max_model_len, job.engine.max_model_len or info.max_model_len):
         length = f"{length} (all the KV cache holds: longer prompts will be error rows)"
+    scales = (
+        " with a fp32 scale per token and KV head"
+        if place.kv_dtype_name in ("int8", "fp8_e4m3")
+        else ""
+    )
     return [
         f"device:   {place.device} {place.dtype_name} ({place.dtype_reason}), "
         f"attention {place.backend}",
-        f"KV cache: {per_token} bytes/token, {num_blocks} blocks x {bs} tokens = "
-        f"{num_blocks * bs} tokens ({num_blocks * bs * per_token / 2**20:.1f} MiB)",
+        f"KV cache: {place.kv_dtype_name}{scales}, {per_token} bytes/token; holds "
+        f"{num_blocks * bs} tokens ({num_blocks} blocks x {bs}, "
+        f"{num_blocks * bs * per_token / 2**20:.1f} MiB)",
         f"max_model_len: {length}",
     ]
 

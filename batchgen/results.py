@@ -26,7 +26,7 @@ that the next open deletes, and its rows are generated again) or the new one; ne
 Manifest (JSON)::
 
     {"format": "batchgen-output", "version": 1,
-     "fingerprint": {"model": ..., "input": ..., "sampling": ..., "numerics": "dtype=..."},
+     "fingerprint": {"model": ..., "input": ..., "sampling": ..., "numerics": "dtype=...,kv_cache_dtype=..."},
      "total_rows": int | null, "finished": bool,
      "created_at": iso, "last_commit_at": iso | null, "next_part": int,
      "parts": [{"name", "rows", "samples", "prompt_tokens", "cached_prompt_tokens",
@@ -78,7 +78,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import JobError, OutputFullError
-from batchgen.fingerprint import describe_fingerprint_mismatch
+from batchgen.fingerprint import describe_fingerprint_mismatch, upgrade_numerics
 from batchgen.schema import Totals
 from batchgen.storage import (
     STAGING_PREFIX,
@@ -146,6 +146,9 @@ def _parse_manifest(folder: str, read: Callable[[str], bytes | None]) -> dict[st
             f"output folder {folder} was written by another batchgen version "
             f"(manifest version {data.get('version')}); use --fresh or another output.path"
         )
+    fp = data.get("fingerprint")
+    if isinstance(fp, dict) and isinstance(fp.get("numerics"), str):  # older folders' form
+        fp["numerics"] = upgrade_numerics(fp["numerics"])
     return data
 
 
@@ -269,7 +272,7 @@ def _judge(
         what = describe_fingerprint_mismatch(old, fingerprint)
         # numerics alone can follow from `auto` on another machine: the job can pin them
         pin = (
-            "set engine.dtype to the folder's to resume it, "
+            "set engine.dtype and engine.kv_cache_dtype to the folder's to resume it, "
             if "numerics" in old and old.get("numerics") != fingerprint.get("numerics")
             else ""
         )

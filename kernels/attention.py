@@ -103,6 +103,18 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,  # 1: write out directly; > 1: write partials for the merge
     DOT_DTYPE: tl.constexpr,  # dtype of tl.dot operands (fp32 for fp32 input and interpreted bf16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (GPU default is TF32); else None
+    # A quantized cache (int8 / fp8 e4m3): fp32 scales [num_blocks, block_size, Hkv]; a key or
+    # value is dequantized in registers as cache (widened to fp32) * scale, then cast to
+    # DOT_DTYPE. Float caches: KV_QUANT False, the scale arguments unused.
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_ksb,
+    stride_kss,
+    stride_ksh,
+    stride_vsb,
+    stride_vss,
+    stride_vsh,
+    KV_QUANT: tl.constexpr,
     ONE_QUERY_PER_SEQ: tl.constexpr = False,  # every sequence has one query token; BLOCK_Q == 1
 ):
     tl.static_assert(BLOCK_M >= 16)
@@ -172,6 +184,10 @@ def _paged_attention_kernel(
             + dims64[:, None] * stride_kd
         )
         k = tl.load(k_cache_ptr + k_off, mask=kv_mask_t, other=0.0)  # [BLOCK_D, TILE_N]
+        if KV_QUANT:
+            ks_off = block * stride_ksb + slot_off * stride_kss + kv_head64 * stride_ksh
+            k_scale = tl.load(k_scale_ptr + ks_off, mask=key_valid, other=0.0)  # [TILE_N]
+            k = k.to(tl.float32) * k_scale[None, :]
         k = k.to(DOT_DTYPE)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] fp32
@@ -193,7 +209,12 @@ def _paged_attention_kernel(
             + kv_head64 * stride_vh
             + dims64[None, :] * stride_vd
         )
-        v = tl.load(v_cache_ptr + v_off, mask=v_mask, other=0.0).to(DOT_DTYPE)  # [TILE_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + v_off, mask=v_mask, other=0.0)  # [TILE_N, BLOCK_D]
+        if KV_QUANT:
+            vs_off = block * stride_vsb + slot_off * stride_vss + kv_head64 * stride_vsh
+            v_scale = tl.load(v_scale_ptr + vs_off, mask=key_valid, other=0.0)  # [TILE_N]
+            v = v.to(tl.float32) * v_scale[:, None]
+        v = v.to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -323,13 +344,16 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     num_decode_seqs: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over the paged cache; returns ``out [T, Hq, D]`` in q's dtype.
 
     Args:
         q: ``[T, Hq, D]`` query tokens of B sequences, concatenated; any strides.
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, any strides, same dtype as q.
-            This step's keys and values must already be stored (``store_kv``).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, any strides, same dtype as q,
+            or int8 / float8_e4m3fn (quantized, with scales). This step's keys and values must
+            already be stored (``store_kv``).
         block_tables: ``[B, max_blocks]`` int32; entries past a sequence's length are ignored.
         cu_seqlens_q: ``[B + 1]`` int32 prefix sums of query lengths; ``cu_seqlens_q[B] == T``.
         seq_lens: ``[B]`` int32 keys per sequence, this step's tokens included (>= query length).
@@ -342,6 +366,8 @@ def paged_attention(
         num_decode_seqs: host-side promise that the first ``num_decode_seqs`` sequences have one
             query token each; in a mixed step they are launched apart, with the decode launch
             configuration (0: one launch for the whole step).
+        k_scale, v_scale: a quantized cache's fp32 scales ``[num_blocks, block_size, Hkv]``,
+            any strides; keys and values are read as ``cache * scale``. None for a float cache.
 
     Query token i of sequence b sits at position ``seq_lens[b] - q_len_b + i`` and attends to
     keys at positions ``<=`` that. Softmax and accumulation are in fp32.
@@ -358,8 +384,20 @@ def paged_attention(
         raise ValueError(f"q {q.shape} does not fit the cache {k_cache.shape}")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"unsupported dtype {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    kv_quant = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    if v_cache.dtype != k_cache.dtype or not (kv_quant or k_cache.dtype == q.dtype):
         raise ValueError(f"q is {q.dtype} but the caches are {k_cache.dtype}, {v_cache.dtype}")
+    if kv_quant:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is None or t.shape != k_cache.shape[:3] or t.dtype != torch.float32:
+                raise ValueError(
+                    f"a {k_cache.dtype} cache needs {name} {tuple(k_cache.shape[:3])} fp32"
+                )
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"scales given for a {k_cache.dtype} cache")
+    else:
+        k_scale = v_scale = k_cache  # unused placeholders
+    assert k_scale is not None and v_scale is not None
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.dim() != 2:
         raise ValueError("need cu_seqlens_q [B+1], seq_lens [B] and block_tables [B, max_blocks]")
@@ -384,7 +422,9 @@ def paged_attention(
         raise ValueError(
             f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}"
         )
-    check_same_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    check_same_device(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, k_scale, v_scale
+    )
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_launchable(_paged_attention_kernel, q)
@@ -396,14 +436,14 @@ def paged_attention(
     if 0 < nd < num_seqs and max_seqlen_q > 1:
         # A mixed step: the leading decodes get the decode configuration (small M, split-K),
         # the rest the prefill one. Views only, plus one tiny shift of cu_seqlens_q; no sync.
-        common = (k_cache, v_cache, scale, max_seqlen_k, num_splits)
+        common = (k_cache, v_cache, scale, max_seqlen_k, num_splits, k_scale, v_scale)
         _launch(q[:nd], block_tables[:nd], cu_seqlens_q[: nd + 1], seq_lens[:nd], 1, out[:nd],
                 *common)  # fmt: skip
         _launch(q[nd:], block_tables[nd:], cu_seqlens_q[nd:] - nd, seq_lens[nd:], max_seqlen_q,
                 out[nd:], *common)  # fmt: skip
         return out
     _launch(q, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, out,
-            k_cache, v_cache, scale, max_seqlen_k, num_splits)  # fmt: skip
+            k_cache, v_cache, scale, max_seqlen_k, num_splits, k_scale, v_scale)  # fmt: skip
     return out
 
 
@@ -419,10 +459,14 @@ def _launch(
     scale: float,
     max_seqlen_k: int,
     num_splits: int | None,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
 ) -> None:
     """Launch the attention kernel (and the merge) with one configuration for all of q's
-    sequences (checked arguments; ``cu_seqlens_q[0] == 0``)."""
+    sequences (checked arguments; ``cu_seqlens_q[0] == 0``; for a float cache the scales are
+    placeholders)."""
     num_tokens, num_heads, head_dim = q.shape
+    kv_quant = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     # The interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): use fp32 operands.
@@ -489,6 +533,11 @@ def _launch(
         NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
+        k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale,
+        **dict(zip(("stride_ksb", "stride_kss", "stride_ksh"), k_scale.stride()[:3], strict=True)),
+        **dict(zip(("stride_vsb", "stride_vss", "stride_vsh"), v_scale.stride()[:3], strict=True)),
+        KV_QUANT=kv_quant,
         ONE_QUERY_PER_SEQ=decode,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -57,11 +57,14 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     """Copy block ``src[i]`` to block ``dst[i]`` in every layer, K and V (in place).
 
     Args:
-        kv_cache: ``[L, 2, num_blocks, block_size, Hkv, D]``, any strides.
+        kv_cache: ``[L, 2, num_blocks, block_size, Hkv, D]``, any strides, or a quantized
+            cache's scales ``[L, 2, num_blocks, block_size, Hkv]`` (copied as ``D = 1``).
         src, dst: ``[P]`` integer block ids (int64 expected). Preconditions, not checked here
             because checking needs a device-to-host sync: ids are in range, ``dst`` ids are
             distinct and no ``dst`` id is also a ``src`` id (copies run in parallel).
     """
+    if kv_cache.dim() == 5:  # scales: one value per (token, KV head)
+        kv_cache = kv_cache.unsqueeze(-1)
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise ValueError(
             f"kv_cache must be [L, 2, num_blocks, block_size, Hkv, D], got {kv_cache.shape}"

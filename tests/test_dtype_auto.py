@@ -79,7 +79,7 @@ def test_validate_and_report_say_which_dtype_and_why(
     assert report["dtype"] == dtype
     assert report["dtype_reason"].startswith("auto: this CPU ")
     assert support.describe() in report["dtype_reason"]
-    assert manifest_of(out)["fingerprint"]["numerics"] == f"dtype={dtype}"
+    assert manifest_of(out)["fingerprint"]["numerics"] == f"dtype={dtype},kv_cache_dtype={dtype}"
     assert len(read_results(out)) == 3
 
 

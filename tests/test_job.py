@@ -70,6 +70,7 @@ SPEC_SAMPLING = {
 SPEC_ENGINE = {
     "device": "auto",
     "dtype": "auto",
+    "kv_cache_dtype": "auto",
     "block_size": 16,
     "kv_cache_memory": "auto",
     "kv_cache_blocks": None,

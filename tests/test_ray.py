@@ -559,7 +559,12 @@ def test_job_loop_checks_the_workers_dtype(tmp_path: Path) -> None:
     from batchgen.runner import JobRun
     from batchgen.schema import output_schema
 
-    fp = {"model": "m", "input": "i", "sampling": "s", "numerics": "dtype=float32"}
+    fp = {
+        "model": "m",
+        "input": "i",
+        "sampling": "s",
+        "numerics": "dtype=float32,kv_cache_dtype=float32",
+    }
     folder = OutputFolder.open(tmp_path / "out", fp)
     executor = object.__new__(RayExecutor)
     executor.job = SimpleNamespace(engine=SimpleNamespace(dtype="auto"))
@@ -575,11 +580,11 @@ def test_job_loop_checks_the_workers_dtype(tmp_path: Path) -> None:
     with pytest.raises(JobError, match="bfloat16 and float32"):
         check("float32", "bfloat16")
     check("bfloat16", "bfloat16")  # nothing committed: the driver's guess was wrong
-    assert folder.fingerprint == {**fp, "numerics": "dtype=bfloat16"}
+    assert folder.fingerprint == {**fp, "numerics": "dtype=bfloat16,kv_cache_dtype=bfloat16"}
     writer = folder.writer(output_schema(pa.int64(), [], False), 1, 1e9)
     row = {"id": 0, "sample_index": 0, "text": "", "token_ids": [], "finish_reason": "length"}
     writer.add_row_group([{**row, "num_prompt_tokens": 1, "num_cached_tokens": 0}])
     writer.commit()
-    with pytest.raises(JobError, match="numerics differs .*dtype=bfloat16 in the folder"):
+    with pytest.raises(JobError, match="numerics differs .*kv_cache_dtype=bfloat16 in the folder"):
         check("float32", "float32")
     folder.close()

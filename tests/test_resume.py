@@ -583,7 +583,7 @@ def test_fingerprint_covers_the_numerics(
         # num_cached_tokens depends on what a resumed run had cached
         return [(r["id"], r["sample_index"], r["token_ids"]) for r in read_results(out)]
 
-    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32"
+    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32,kv_cache_dtype=float32"
 
     def drop_last_part() -> int:
         last = manifest_of(out)["parts"][-1]
@@ -597,7 +597,8 @@ def test_fingerprint_covers_the_numerics(
         assert "numerics differs" in line and "float32" in line and "bfloat16" in line, line
     if cpu_bf16:
         line = refusal(invoke("run", job, "--set", "engine.dtype=auto"))
-        assert "dtype=float32 in the folder, dtype=bfloat16 now" in line, line
+        assert "dtype=float32,kv_cache_dtype=float32 in the folder, " in line, line
+        assert "dtype=bfloat16,kv_cache_dtype=bfloat16 now" in line, line
         assert "set engine.dtype" in line, line
     assert snapshot(out) == before
     resume_dtype = "float32" if cpu_bf16 else "auto"
@@ -617,8 +618,95 @@ def test_fingerprint_covers_the_numerics(
         assert "numerics differs" in refusal(invoke("run", job, "--set", "engine.dtype=auto"))
     run_cli("run", str(job), "--quiet", "--set", f"engine.dtype={resume_dtype}")
     assert results() == [(r["id"], r["sample_index"], r["token_ids"]) for r in first]
-    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32"
+    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32,kv_cache_dtype=float32"
 
     run_cli("run", str(job), "--quiet", "--fresh", "--set", "engine.dtype=bfloat16")
-    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=bfloat16"
+    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=bfloat16,kv_cache_dtype=bfloat16"
     assert len(read_results(out)) == len(first)
+
+
+def test_fingerprint_covers_the_kv_cache_dtype(model: Path, tmp_path: Path) -> None:
+    """The resolved kv_cache_dtype is in the numerics: a resume with another one is refused (one
+    line naming both), ``auto`` resumes a cache of the compute dtype. A folder written before
+    the KV cache could be quantized (numerics ``dtype=float32`` alone) resumes as
+    ``kv_cache_dtype=float32``, is upgraded to today's form, and refuses int8."""
+    prompts = make_prompts(6, seed=15, min_words=3, max_words=8)
+    sampling = {"max_tokens": 3, "temperature": 0}
+    job = write_job(
+        tmp_path,
+        model,
+        prompts,
+        sampling=sampling,
+        engine={"dtype": "float32", "kv_cache_dtype": "int8", "max_num_seqs": 2},
+    )
+    out = tmp_path / "out"
+    run_cli("run", str(job), "--quiet", "--set", "output.commit_rows=2")
+    first = read_results(out)
+    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32,kv_cache_dtype=int8"
+
+    def drop_last_part() -> int:
+        last = manifest_of(out)["parts"][-1]
+        (out / last["name"]).unlink()
+        return last["rows"]
+
+    dropped = drop_last_part()
+    before = snapshot(out)
+    for value in ("auto", "float32"):
+        for command in ("run", "validate"):
+            line = refusal(invoke(command, job, "--set", f"engine.kv_cache_dtype={value}"))
+            assert "\n" not in line.strip(), line
+            assert "kv_cache_dtype=int8 in the folder" in line, line
+            assert "kv_cache_dtype=float32 now" in line, line
+            assert "engine.kv_cache_dtype" in line, line
+    assert snapshot(out) == before
+    result = run_cli("run", str(job), "--quiet")
+    assert f"batchgen: done: {dropped} rows" in result.stderr
+    assert [r["token_ids"] for r in read_results(out)] == [r["token_ids"] for r in first]
+
+    # A folder from before kv_cache_dtype: its numerics recorded the dtype alone.
+    run_cli("run", str(job), "--quiet", "--fresh", "--set", "engine.kv_cache_dtype=auto")
+    float_results = read_results(out)
+    manifest = manifest_of(out)
+    manifest["fingerprint"]["numerics"] = "dtype=float32"
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    drop_last_part()
+    line = refusal(invoke("run", job))  # the job asks for int8
+    assert "kv_cache_dtype=float32 in the folder, " in line, line
+    assert "kv_cache_dtype=int8 now" in line, line
+    run_cli("run", str(job), "--quiet", "--set", "engine.kv_cache_dtype=auto")
+    assert [r["token_ids"] for r in read_results(out)] == [r["token_ids"] for r in float_results]
+    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32,kv_cache_dtype=float32"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill_then_resume_with_int8_kv_cache(tiny_model, tmp_path: Path) -> None:
+    """kill -9 a run with ``kv_cache_dtype: int8`` once it has committed, then resume: the folder
+    ends up with every sample exactly once and the uninterrupted run's tokens (a resumed run
+    re-prefills what the killed one had cached: its int8 bytes are the same, token by token)."""
+    model = tiny_model("llama", **MODEL_ARGS)
+    rows = 96
+    prompts = make_prompts(rows, seed=21, min_words=3, max_words=30)
+    engine = {**ENGINE, "kv_cache_dtype": "int8"}
+    job = write_job(tmp_path, model, prompts, sampling=SAMPLING, engine=engine, output="ref")
+    run_cli("run", str(job), "--quiet")
+    ref = read_results(tmp_path / "ref")
+    assert len(ref) == rows * N
+    out = tmp_path / "killed"
+    proc = start(job, "--set", f"output.path={out}", *FAST_COMMITS)
+    assert wait_for_commit(proc, out, 0), "the run ended before it could be killed"
+    proc.kill()
+    proc.wait(timeout=60)
+    committed = check_folder(out)["rows"]
+    assert 0 < committed < rows, committed
+    assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32,kv_cache_dtype=int8"
+    assert "batchgen: done:" in finish(out, job, *FAST_COMMITS)
+    figures = check_folder(out)
+    assert figures["samples"] == rows * N and leftovers(out) == []
+    ties = compare_samples(
+        read_results(out), ref, model=model, prompts=dict(enumerate(prompts)), sampling=SAMPLING
+    )
+    print(
+        f"\n[resume] int8 KV: killed after {committed} of {rows} rows committed; resumed: "
+        f"{figures['samples']} samples, {ties.exempt} near-tie flips"
+    )

@@ -38,6 +38,7 @@ class DecodeGraphs:
         model: torch.nn.Module,
         kv_cache: torch.Tensor,
         *,
+        kv_scales: torch.Tensor | None = None,
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
@@ -46,6 +47,8 @@ class DecodeGraphs:
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        # a quantized cache's scales, passed with it (None: a float cache)
+        self.model_kwargs = {} if kv_scales is None else {"kv_scales": kv_scales}
         self.max_model_len = max_model_len
         self.capture = capture
         self.buckets = graph_buckets(max_num_seqs)
@@ -73,7 +76,11 @@ class DecodeGraphs:
 
     def _forward(self, bucket: int) -> torch.Tensor:
         return self.model(
-            self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, self._meta(bucket)
+            self.input_ids[:bucket],
+            self.positions[:bucket],
+            self.kv_cache,
+            self._meta(bucket),
+            **self.model_kwargs,
         )
 
     def capture_all(self) -> None:

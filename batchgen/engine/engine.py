@@ -65,11 +65,14 @@ class Engine:
         *,
         device: torch.device,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         sampler_kernels: SamplerKernels | None = None,
         check_invariants: bool = False,
     ) -> None:
-        """``detokenize`` is needed only for stop strings; ``sampler_kernels`` are the sampler's
+        """``dtype`` is the model's compute dtype, ``kv_dtype`` the KV cache's (None: dtype;
+        int8 or float8_e4m3fn: a quantized cache with one fp32 scale per token and KV head, in
+        ``kv_scales``). ``detokenize`` is needed only for stop strings; ``sampler_kernels`` are the sampler's
         native kernels (default: the C kernels on a CPU when they can be built, else the PyTorch
         formula); ``check_invariants`` runs the block accounting checks after every schedule and
         update (tests)."""
@@ -84,16 +87,14 @@ class Engine:
         self.copy_blocks = _copy_blocks_fn(config.attention_backend)
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
         # the torch path must see finite values.
-        self.kv_cache = torch.zeros(
-            info.num_layers,
-            2,
-            config.num_blocks,
-            config.block_size,
-            info.num_kv_heads,
-            info.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        shape = (info.num_layers, 2, config.num_blocks, config.block_size, info.num_kv_heads)
+        self.kv_cache = torch.zeros(*shape, info.head_dim, dtype=kv_dtype, device=device)
+        # A quantized cache's fp32 scales [layers, K/V, blocks, block_size, kv_heads] (slot
+        # value = kv_cache * kv_scales); None for a float cache.
+        self.kv_scales: torch.Tensor | None = None
+        if kv_dtype in (torch.int8, torch.float8_e4m3fn):
+            self.kv_scales = torch.zeros(*shape, dtype=torch.float32, device=device)
         self.pool = BlockPool(config.num_blocks)
         cache = make_prefix_cache(self.pool, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
@@ -111,6 +112,7 @@ class Engine:
         )
         self.stats = EngineStats()
         self.num_heads = info.num_heads
+        self.dtype = dtype  # of activations and queries (the cache's may differ: kv_dtype)
         self.staging = Staging(device)
         if config.attention_backend == "triton" and device.type == "cuda":
             self.warm_up()
@@ -121,6 +123,7 @@ class Engine:
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_cache,
+                kv_scales=self.kv_scales,
                 block_size=config.block_size,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=config.max_model_len,
@@ -135,7 +138,10 @@ class Engine:
         from batchgen.kernels.warmup import warm_up_attention
 
         with device_guard(self.device), torch.inference_mode():
-            return warm_up_attention(self.kv_cache[0, 0], self.kv_cache[0, 1], self.num_heads)
+            scales = (None, None) if self.kv_scales is None else tuple(self.kv_scales[0])
+            return warm_up_attention(
+                self.kv_cache[0, 0], self.kv_cache[0, 1], self.num_heads, self.dtype, *scales
+            )
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -160,23 +166,23 @@ class Engine:
             self.scheduler.check(batch)
         if batch.copies:
             src, dst = zip(*batch.copies, strict=True)
-            self.copy_blocks(
-                self.kv_cache,
-                torch.tensor(src, dtype=torch.int64, device=self.device),
-                torch.tensor(dst, dtype=torch.int64, device=self.device),
-            )
+            src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
+            dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
+            self.copy_blocks(self.kv_cache, src_t, dst_t)
+            if self.kv_scales is not None:  # a copied block keeps its tokens' scales
+                self.copy_blocks(self.kv_scales, src_t, dst_t)
         step = build_step(batch, self.config.block_size, self.device, self.staging)
         draws: list[list[Draw]] = []
+        if self.graphs is not None and self.graphs.supports(step):
+            hidden = self.graphs.run(step)
+        else:
+            # the quantized cache's scales go with it (models of float caches never see them)
+            scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta, **scales)
         if len(step.logits_indices):
-            if self.graphs is not None and self.graphs.supports(step):
-                hidden = self.graphs.run(step)
-            else:
-                hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
             logits = self.model.compute_logits(hidden[step.logits_indices])
             draws = self._sample(batch, logits)
             self.stats.sampled_tokens += len(step.logits_indices)
-        else:
-            self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         self._account(batch)
         finished = self.scheduler.update(batch, draws)
         if self.check_invariants:

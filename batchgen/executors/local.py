@@ -95,6 +95,7 @@ class RowGenerator:
             engine_config(job, place, num_blocks, self.max_model_len),
             device=place.device,
             dtype=place.dtype,
+            kv_dtype=place.kv_cache_dtype,
             detokenize=self._decode if self.params.stop or _stop_per_row(job) else None,
         )
 
@@ -227,6 +228,8 @@ class RowGenerator:
             "device": str(self.place.device),
             "dtype": self.place.dtype_name,
             "dtype_reason": self.place.dtype_reason,
+            "kv_cache_dtype": self.place.kv_dtype_name,
+            "kv_bytes_per_token": self.info.kv_bytes_per_token(self.place.kv_cache_dtype),
             "attention_backend": self.place.backend,
             # the C kernels of batchgen.model.cpu_kernels ran (CPU, fp32/bf16, a compiler was found)
             "cpu_kernels": cpu_kernels.for_dtype(self.place.device, self.place.dtype) is not None,
@@ -271,7 +274,8 @@ class LocalExecutor:
         return done
 
     def numerics(self) -> str:
-        return numerics(self.generator.place.dtype_name)
+        place = self.generator.place
+        return numerics(place.dtype_name, place.kv_dtype_name)
 
     def sampled_tokens(self) -> int:
         return self.generator.engine.stats.sampled_tokens

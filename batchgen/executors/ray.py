@@ -244,7 +244,8 @@ class RayExecutor:
                 f"executor: the Ray workers run in {' and '.join(dtypes)} (engine.dtype "
                 f"{self.job.engine.dtype}); one job runs in one dtype: set engine.dtype"
             )
-        return numerics(dtypes[0])
+        kv = {s.info.get("kv_cache_dtype", dtypes[0]) for s in self.slots if s.alive}
+        return numerics(dtypes[0], kv.pop() if len(kv) == 1 else None)
 
     def sampled_tokens(self) -> int:
         return sum(s.stats.get("sampled_tokens", 0) for s in self.slots)

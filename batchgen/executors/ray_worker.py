@@ -66,6 +66,7 @@ class Worker:
                 for k in (
                     "device",
                     "dtype",
+                    "kv_cache_dtype",
                     "attention_backend",
                     "cpu_kernels",
                     "kv_blocks",

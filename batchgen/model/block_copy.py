@@ -14,7 +14,8 @@ __all__ = ["copy_blocks"]
 def copy_blocks(kv_cache: Tensor, src: Tensor, dst: Tensor) -> None:
     """``kv_cache[:, :, dst[i]] = kv_cache[:, :, src[i]]`` for every i, in every layer, K and V.
 
-    kv_cache ``[L, 2, num_blocks, block_size, Hkv, D]``; src, dst ``[P]`` int64 block ids on the
+    kv_cache ``[L, 2, num_blocks, block_size, Hkv, D]`` (or a quantized cache's scales
+    ``[L, 2, num_blocks, block_size, Hkv]``); src, dst ``[P]`` int64 block ids on the
     cache's device. As for the kernel, destinations are distinct and none is a source (the
     engine copies into fresh blocks), so the copies are independent.
     """

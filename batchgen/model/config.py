@@ -103,9 +103,11 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV-cache bytes one token occupies across all layers (K and V)."""
+        """KV-cache bytes one token occupies across all layers (K and V), for a cache of
+        ``dtype``; a quantized cache (int8, float8_e4m3fn) adds its fp32 scale per KV head."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        scale_bytes = 4 if dtype in (torch.int8, torch.float8_e4m3fn) else 0
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * itemsize + scale_bytes)
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:

@@ -68,10 +68,13 @@ class LlamaAttention(nn.Module):
         v_cache: Tensor,
         plan: Any,
         residual: Tensor,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
     ) -> Tensor:
         """h ``[T, hidden]`` normed input -> ``residual += o_proj(attention)``, in place.
         cos/sin ``[T, D/2]``; caches ``[num_blocks, block_size, Hkv, D]``; ``plan``: this step's
-        ``attention.prepare`` result."""
+        ``attention.prepare`` result; scales ``[num_blocks, block_size, Hkv]`` of a quantized
+        cache, else None."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) * D]
@@ -85,7 +88,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].view(t, hq, d))  # [T, Hq, D]
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d))
             q, k = self.rope_(q, cos, sin), self.rope_(k, cos, sin)
-        o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale)  # [T, Hq, D]
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale, **scales)
         return self.o_proj.add_(residual, o.reshape(t, self.q_size))
 
 
@@ -141,9 +145,12 @@ class LlamaDecoderLayer(nn.Module):
         k_cache: Tensor,
         v_cache: Tensor,
         plan: Any,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
     ) -> Tensor:
         # x [T, hidden] is the residual stream, owned by the model's forward: updated in place
-        self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, plan, residual=x)
+        h = self.input_layernorm(x)
+        self.self_attn(h, cos, sin, k_cache, v_cache, plan, x, k_scale, v_scale)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
@@ -175,16 +182,25 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        kv_scales: Tensor | None = None,
     ) -> Tensor:
         """input_ids ``[T]`` int64, positions ``[T]`` int64, kv_cache
-        ``[L, 2, num_blocks, block_size, Hkv, D]`` -> hidden ``[T, hidden]`` after the final norm.
+        ``[L, 2, num_blocks, block_size, Hkv, D]`` and, for a quantized (int8 / fp8) cache, its
+        scales ``kv_scales [L, 2, num_blocks, block_size, Hkv]`` fp32 -> hidden ``[T, hidden]``
+        after the final norm.
         """
-        plan = self.attention.prepare(meta, kv_cache, self.cfg.num_heads)  # once per step
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        # once per step; the model's dtype, which a quantized cache's is not
+        plan = self.attention.prepare(meta, kv_cache, self.cfg.num_heads, x.dtype)
         cos, sin = self.rotary(positions, x.dtype)  # [T, D/2]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], plan)
+            scales = () if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
+            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], plan, *scales)
         return self.norm(x)
 
     def pack_weights(self) -> int:

@@ -2,6 +2,10 @@
 
 The KV cache of layer ``l`` is ``k_cache = kv_cache[l, 0]`` and ``v_cache = kv_cache[l, 1]``,
 each ``[num_blocks, block_size, Hkv, D]``. A token's *slot* is ``block_id * block_size + offset``.
+A quantized cache (int8, float8_e4m3fn) has one fp32 scale per slot and KV head,
+``k_scale = kv_scales[l, 0]`` and ``v_scale = kv_scales[l, 1]``, each
+``[num_blocks, block_size, Hkv]``; a slot's value is ``cache * scale`` (see
+``batchgen.kernels.reference.quantize_kv_ref`` for the rule every store follows).
 
 A step is a flat list of new tokens: sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
 of ``q``. New token ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and sees
@@ -14,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+import torch
 from torch import Tensor
 
 __all__ = ["AttentionBackend", "AttentionMetadata"]
@@ -42,9 +47,16 @@ class AttentionBackend(Protocol[Plan]):
     the step (opaque to the model); the model passes it to every layer's ``forward``.
     """
 
-    def prepare(self, meta: AttentionMetadata, kv_cache: Tensor, num_heads: int) -> Plan:
+    def prepare(
+        self,
+        meta: AttentionMetadata,
+        kv_cache: Tensor,
+        num_heads: int,
+        dtype: torch.dtype | None = None,
+    ) -> Plan:
         """The step's plan: meta of this step, kv_cache ``[L, 2, num_blocks, block_size, Hkv,
-        D]`` (its dtype is q's), ``num_heads`` query heads (Hq)."""
+        D]``, ``num_heads`` query heads (Hq), ``dtype`` q's (None: the cache's, which is q's
+        for a float cache)."""
         ...
 
     def forward(
@@ -56,9 +68,13 @@ class AttentionBackend(Protocol[Plan]):
         v_cache: Tensor,
         plan: Plan,
         scale: float,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
     ) -> Tensor:
         """q ``[T,Hq,D]``, k/v ``[T,Hkv,D]``, caches ``[num_blocks, block_size, Hkv, D]`` (one
-        layer's planes of the kv_cache given to ``prepare``).
+        layer's planes of the kv_cache given to ``prepare``); for a quantized cache, that
+        layer's scale planes ``[num_blocks, block_size, Hkv]`` fp32 (None for a float cache).
+        The new K/V are stored (quantized) first; every key is then read from the cache.
 
         Returns ``[T,Hq,D]``. GQA: ``Hq % Hkv == 0``; query head h uses KV head ``h // (Hq/Hkv)``.
         """

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from batchgen.kernels.reference import dequantize_kv_ref, quantize_kv_ref
 from batchgen.model import cpu_kernels
 from batchgen.model.attention.metadata import AttentionMetadata
 from batchgen.model.attention.torch_plan import (
@@ -20,6 +21,14 @@ from batchgen.model.attention.torch_plan import (
 )
 
 __all__ = ["TorchAttention"]
+
+_QUANTIZED = (torch.int8, torch.float8_e4m3fn)
+
+
+def _bytes(x: Tensor) -> Tensor:
+    """A quantized tensor as its bytes (CPU index ops have no float8 kernels)."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
 
 # Decode/extend groups gather and attend in chunks of sequences of about this many K+V bytes.
 _GATHER_CHUNK_BYTES = 16 << 20
@@ -51,8 +60,9 @@ def _attend_lse(
 class TorchAttention:
     """PyTorch paged attention (the CPU production path).
 
-    On a CPU fp32 or bf16 cache, every sequence and every cascade prefix runs in the C kernels of
-    :mod:`batchgen.model.cpu_kernels` (they read the paged cache in place) when they can be built,
+    On a CPU fp32 or bf16 cache, and an int8 cache with fp32 or bf16 compute, every sequence and
+    every cascade prefix runs in the C kernels of :mod:`batchgen.model.cpu_kernels` (they read
+    the paged cache in place, int8 dequantized in registers) when they can be built,
     but for long fresh prefills on a bf16 cache (PyTorch SDPA groups, see ``torch_plan``);
     ``native=False`` keeps everything in PyTorch (gathers and SDPA). ``prepare`` builds the
     step's ``TorchAttentionPlan``; ``forward`` runs it for one layer. Holds grow-only gather
@@ -78,23 +88,35 @@ class TorchAttention:
             self._workspace[name] = buf
         return buf[:numel].view(shape)
 
-    def _gather(self, name: str, flat: Tensor, slots: Tensor) -> Tensor:
-        """``flat[slots]`` ([len(slots), Hkv, D]) into a reused buffer."""
-        out = self._buffer(name, (slots.shape[0], *flat.shape[1:]), flat)
-        return torch.index_select(flat, 0, slots, out=out)
+    def _gather(
+        self, name: str, flat: Tensor, slots: Tensor, scales: Tensor | None, dtype: torch.dtype
+    ) -> Tensor:
+        """``flat[slots]`` ([len(slots), Hkv, D]) into a reused buffer; of a quantized cache
+        (``scales`` its ``[num_slots, Hkv]`` plane) dequantized to ``dtype``."""
+        if scales is None:
+            out = self._buffer(name, (slots.shape[0], *flat.shape[1:]), flat)
+            return torch.index_select(flat, 0, slots, out=out)
+        data = _bytes(flat).index_select(0, slots).view(flat.dtype)
+        return dequantize_kv_ref(data, scales.index_select(0, slots), dtype)
 
     def prepare(
-        self, meta: AttentionMetadata, kv_cache: Tensor, num_heads: int
+        self,
+        meta: AttentionMetadata,
+        kv_cache: Tensor,
+        num_heads: int,
+        dtype: torch.dtype | None = None,
     ) -> TorchAttentionPlan:
         """The step's plan (see ``AttentionBackend.prepare``): the C kernels for a CPU fp32 or
-        bf16 cache when they can be built here (and ``native``), else PyTorch groups."""
-        kernels = (
-            cpu_kernels.for_dtype(kv_cache.device, kv_cache.dtype) if self._use_native else None
-        )
+        bf16 cache when they can be built here (and ``native``), and for a quantized cache when
+        they also support it (``supports_kv_dtype``), else PyTorch groups."""
+        dtype = kv_cache.dtype if dtype is None else dtype
+        kernels = cpu_kernels.for_dtype(kv_cache.device, dtype) if self._use_native else None
+        if kernels is not None and kv_cache.dtype != dtype:
+            supports = getattr(kernels, "supports_kv_dtype", None)
+            if supports is None or not supports(kv_cache.dtype, dtype):
+                kernels = None
         block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
-        return build_torch_plan(
-            meta, block_size, num_heads // num_kv_heads, kv_cache.dtype, kernels
-        )
+        return build_torch_plan(meta, block_size, num_heads // num_kv_heads, dtype, kernels)
 
     def forward(
         self,
@@ -105,19 +127,39 @@ class TorchAttention:
         v_cache: Tensor,
         plan: TorchAttentionPlan,
         scale: float,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
     ) -> Tensor:
-        """See ``AttentionBackend.forward``."""
+        """See ``AttentionBackend.forward``. A quantized cache is read dequantized (to q's
+        dtype) by the gathers, the step's own K/V included (FRESH groups use the stored rows)."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         meta, kernels = plan.meta, plan.kernels
         # write the new K/V; caches viewed as [num_slots, Hkv, D]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        if kernels is not None:
+        scales: tuple[Tensor, Tensor] | None = None
+        if k_cache.dtype in _QUANTIZED:
+            assert k_scale is not None and v_scale is not None, "a quantized cache needs scales"
+            scales = (k_scale.view(-1, num_kv_heads), v_scale.view(-1, num_kv_heads))
+            if kernels is not None:
+                kernels.store_kv(
+                    k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale
+                )
+            else:
+                for x, flat, sflat in ((k, k_flat, scales[0]), (v, v_flat, scales[1])):
+                    xq, xs = quantize_kv_ref(x, k_cache.dtype)
+                    _bytes(flat).index_copy_(0, meta.slot_mapping, _bytes(xq))
+                    sflat.index_copy_(0, meta.slot_mapping, xs)
+            if plan.groups:  # FRESH groups read the step's keys as stored, then dequantized
+                k = self._gather("k_new", k_flat, meta.slot_mapping, scales[0], q.dtype)
+                v = self._gather("v_new", v_flat, meta.slot_mapping, scales[1], q.dtype)
+        elif kernels is not None:
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             k_flat.index_copy_(0, meta.slot_mapping, k)
             v_flat.index_copy_(0, meta.slot_mapping, v)
+        quant = {} if scales is None else {"k_scale": k_scale, "v_scale": v_scale}
 
         if (
             len(plan.groups) == 1
@@ -127,7 +169,7 @@ class TorchAttention:
             and plan.native_seqs is None
             and plan.tiled_seqs is None
         ):
-            return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale)[0]
+            return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale, scales)[0]
         # a native cascade merge reads and rewrites out: fp32 until then (bf16 q: one rounding)
         cb = plan.cascade_batch
         out = q.new_empty(
@@ -152,9 +194,11 @@ class TorchAttention:
                 k_start=plan.k_start,
                 lse=lse_all,
                 tiled=tiled,
+                **quant,
             )
         for g in plan.groups:
-            o, lse = self._group(g, q, k, v, k_flat, v_flat, scale)  # [n*max_q, Hq, D], [.., Hq]
+            # [n*max_q, Hq, D], [.., Hq]
+            o, lse = self._group(g, q, k, v, k_flat, v_flat, scale, scales)
             if g.out_select is not None:
                 o = o.index_select(0, g.out_select)
                 lse = None if lse is None else lse.index_select(0, g.out_select)
@@ -169,11 +213,11 @@ class TorchAttention:
             assert lse_all is not None and kernels is not None
             kernels.prefix_attention_merge_(
                 q, k_cache, v_cache, cb.slots, cb.slot_offsets, cb.rows, cb.row_offsets, out,
-                lse_all, scale,
+                lse_all, scale, **quant,
             )  # fmt: skip
         for c in plan.cascades:
             assert lse_all is not None
-            self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale)
+            self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale, scales)
         return out.to(q.dtype)
 
     def _group(
@@ -185,6 +229,7 @@ class TorchAttention:
         k_flat: Tensor,
         v_flat: Tensor,
         scale: float,
+        scales: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """One padded group -> out ``[n*max_q, Hq, D]`` (padded rows included) and, for cascade
         members, the log-sum-exp ``[n*max_q, Hq]``."""
@@ -210,15 +255,17 @@ class TorchAttention:
         # _GATHER_CHUNK_BYTES) is still in the CPU caches when attention reads it.
         assert g.k_slots is not None
         slots = g.k_slots.view(n, max_k)
-        per_seq = 2 * max_k * hkv * d * k_flat.element_size()
+        per_seq = 2 * max_k * hkv * d * q.element_size()  # gathered (dequantized) K+V
         step = max(1, _GATHER_CHUNK_BYTES // per_seq)
         if step >= n:
-            return self._attend_cached(g, qg, slots, g.mask, k_flat, v_flat, scale)
+            return self._attend_cached(g, qg, slots, g.mask, k_flat, v_flat, scale, scales)
         outs, lses = [], []
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             mask = None if g.mask is None else g.mask[lo:hi]
-            o, lse = self._attend_cached(g, qg[lo:hi], slots[lo:hi], mask, k_flat, v_flat, scale)
+            o, lse = self._attend_cached(
+                g, qg[lo:hi], slots[lo:hi], mask, k_flat, v_flat, scale, scales
+            )
             outs.append(o)
             lses.append(lse)
         return torch.cat(outs), None if not g.want_lse else torch.cat(lses)  # type: ignore[arg-type]
@@ -232,6 +279,7 @@ class TorchAttention:
         k_flat: Tensor,
         v_flat: Tensor,
         scale: float,
+        scales: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Sequences ``qg [m, max_q, Hq, D]`` against their gathered keys ``slots [m, max_k]``
         -> out ``[m*max_q, Hq, D]`` and (want_lse) lse ``[m*max_q, Hq]``."""
@@ -239,8 +287,12 @@ class TorchAttention:
         max_k = slots.shape[1]
         hkv = k_flat.shape[1]
         grp = hq // hkv
-        kg = self._gather("k", k_flat, slots.reshape(-1)).view(m, max_k, hkv, d).transpose(1, 2)
-        vg = self._gather("v", v_flat, slots.reshape(-1)).view(m, max_k, hkv, d).transpose(1, 2)
+        ks, vs = (None, None) if scales is None else scales
+        flat_slots = slots.reshape(-1)
+        kg = self._gather("k", k_flat, flat_slots, ks, qg.dtype)
+        vg = self._gather("v", v_flat, flat_slots, vs, qg.dtype)
+        kg = kg.view(m, max_k, hkv, d).transpose(1, 2)  # [m, Hkv, max_k, D]
+        vg = vg.view(m, max_k, hkv, d).transpose(1, 2)
         if g.kind == DECODE:
             qp = qg.view(m, hkv, grp, d)  # the G heads sharing a KV head become G query rows
             if g.want_lse:
@@ -272,6 +324,7 @@ class TorchAttention:
         out: Tensor,
         lse_all: Tensor,
         scale: float,
+        scales: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         """Attend the cascade's rows to its shared prefix and merge into ``out`` and
         ``lse_all`` in place."""
@@ -282,8 +335,9 @@ class TorchAttention:
         # all member rows as one batch: [1, Hkv, R*G, D] against [1, Hkv, Lp, D]
         qp = q.index_select(0, c.rows).view(r, hkv, grp, d).permute(1, 0, 2, 3)
         qp = qp.reshape(1, hkv, r * grp, d)
-        kp = self._gather("k", k_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
-        vp = self._gather("v", v_flat, c.slots).permute(1, 0, 2).unsqueeze(0)
+        ks, vs = (None, None) if scales is None else scales
+        kp = self._gather("k", k_flat, c.slots, ks, q.dtype).permute(1, 0, 2).unsqueeze(0)
+        vp = self._gather("v", v_flat, c.slots, vs, q.dtype).permute(1, 0, 2).unsqueeze(0)
         o_p, lse_p = _attend_lse(qp, kp, vp, None, scale)
         o_p = o_p.view(hkv, r, grp, d).permute(1, 0, 2, 3).reshape(r, hq, d)
         lse_p = lse_p.view(hkv, r, grp).permute(1, 0, 2).reshape(r, hq)

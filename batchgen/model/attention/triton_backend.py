@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from batchgen.model.attention.metadata import AttentionMetadata
@@ -21,7 +22,11 @@ class TritonAttention:
         self._paged_attention = None
 
     def prepare(
-        self, meta: AttentionMetadata, kv_cache: Tensor, num_heads: int
+        self,
+        meta: AttentionMetadata,
+        kv_cache: Tensor,
+        num_heads: int,
+        dtype: torch.dtype | None = None,
     ) -> AttentionMetadata:
         """The kernels need nothing beyond the metadata: it is the plan."""
         return meta
@@ -35,14 +40,17 @@ class TritonAttention:
         v_cache: Tensor,
         plan: AttentionMetadata,
         scale: float,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
     ) -> Tensor:
-        """See ``AttentionBackend.forward``."""
+        """See ``AttentionBackend.forward``: a quantized cache is quantized on store and
+        dequantized on load by the kernels."""
         if self._paged_attention is None:
             from batchgen.kernels import paged_attention, store_kv
 
             self._store_kv, self._paged_attention = store_kv, paged_attention
         meta = plan
-        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return self._paged_attention(
             q,
             k_cache,
@@ -54,4 +62,6 @@ class TritonAttention:
             meta.max_seqlen_q,
             meta.max_seqlen_k,
             num_decode_seqs=meta.num_decodes,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
