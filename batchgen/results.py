@@ -172,6 +172,33 @@ def totals_of(parts: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     return {**Totals.sum(parts).as_dict(), "parts": len(parts)}
 
 
+def manifest_with_part(
+    manifest: dict[str, Any],
+    number: int,
+    name: str,
+    table: pa.Table,
+    rows: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A copy of ``manifest`` that lists part ``number`` (``name``, holding ``table``: ``rows``
+    input rows; ``extra`` keys go into its entry) as committed, totals and counters updated."""
+    ids = table.column("id")
+    entry = {
+        "name": name,
+        **extra,
+        **Totals.of_table(table, rows).as_dict(),
+        "first_id": ids[0].as_py(),
+        "last_id": ids[-1].as_py(),
+    }
+    updated = copy.deepcopy(manifest)
+    updated["parts"].append(entry)
+    updated["totals"] = totals_of(updated["parts"])
+    updated["next_part"] = number + 1
+    updated["last_commit_at"] = now_iso()
+    updated["finished"] = False
+    return updated
+
+
 # --------------------------------------------------------------------------- inspection
 
 
@@ -538,19 +565,7 @@ class OutputFolder:
             write_durably(self.path, name, lambda f: pq.write_table(table, f), after_temp_written)
         step("part_renamed")
 
-        ids = table.column("id")
-        entry = {
-            "name": name,
-            **Totals.of_table(table, rows).as_dict(),
-            "first_id": ids[0].as_py(),
-            "last_id": ids[-1].as_py(),
-        }
-        manifest = copy.deepcopy(self._manifest)
-        manifest["parts"].append(entry)
-        manifest["totals"] = totals_of(manifest["parts"])
-        manifest["next_part"] = number + 1
-        manifest["last_commit_at"] = now_iso()
-        manifest["finished"] = False
+        manifest = manifest_with_part(self._manifest, number, name, table, rows)
         self._write_manifest(manifest, before_rename=lambda: step("manifest_written"))
 
 
@@ -687,20 +702,7 @@ class ObjectOutputFolder(OutputFolder):
         step = on_step or (lambda _name: None)
         self.store.put(staged, lambda f: pq.write_table(table, f))
         step("part_written")
-        ids = table.column("id")
-        entry = {
-            "name": name,
-            "staged": staged,
-            **Totals.of_table(table, rows).as_dict(),
-            "first_id": ids[0].as_py(),
-            "last_id": ids[-1].as_py(),
-        }
-        manifest = copy.deepcopy(self._manifest)
-        manifest["parts"].append(entry)
-        manifest["totals"] = totals_of(manifest["parts"])
-        manifest["next_part"] = number + 1
-        manifest["last_commit_at"] = now_iso()
-        manifest["finished"] = False
+        manifest = manifest_with_part(self._manifest, number, name, table, rows, staged=staged)
         if self.store.exists(name):  # only a writer that lost its lease gets here
             raise JobError(
                 f"output folder {self.path}: {name} exists already: another writer has taken "

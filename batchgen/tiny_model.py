@@ -22,6 +22,7 @@ __all__ = [
     "make_words",
     "make_prompts",
     "train_tokenizer",
+    "wrap_tokenizer",
     "make_tiny_model",
     "write_prompts_parquet",
 ]
@@ -99,8 +100,7 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Any:
     BOS is prepended to every encoded text; the chat template renders
     ``<s><|role|>\\ncontent<|end|>\\n...`` and ends with ``<|assistant|>\\n`` for generation.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(
@@ -117,6 +117,15 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Any:
     )
     num_lines = max(500, vocab_size)  # enough text for the merges to fill the vocabulary
     tok.train_from_iterator(_corpus(num_lines, seed), trainer=trainer)
+    return wrap_tokenizer(tok)
+
+
+def wrap_tokenizer(tok: Any) -> Any:
+    """A ``tokenizers.Tokenizer`` holding :data:`SPECIAL_TOKENS` at their ids, as a
+    ``PreTrainedTokenizerFast`` that prepends BOS to every text and has the chat template."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
     )

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable with
 
 from batchgen.tiny_model import (  # noqa: E402
     BOS_ID,
-    CHAT_TEMPLATE,
     END_OF_TURN_ID,
     EOS_ID,
     PAD_ID,
     SPECIAL_TOKENS,
+    wrap_tokenizer,
 )
 
 MAX_OPERAND = 19  # questions are a+b with 0 <= a, b <= MAX_OPERAND
@@ -44,8 +44,7 @@ def question(a: int, b: int) -> str:
 def byte_tokenizer() -> Any:
     """A ``PreTrainedTokenizerFast`` with the special tokens of batchgen.tiny_model and one token
     per byte (BOS prepended to every text, the same chat template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *alphabet])}
@@ -53,17 +52,7 @@ def byte_tokenizer() -> Any:
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=1_000_000,
-    )
+    return wrap_tokenizer(tok)
 
 
 def _batch(tokenizer: Any, rng: random.Random, size: int) -> tuple[Any, Any]:
