@@ -585,12 +585,7 @@ def test_fingerprint_covers_the_numerics(
 
     assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32,kv_cache_dtype=float32"
 
-    def drop_last_part() -> int:
-        last = manifest_of(out)["parts"][-1]
-        (out / last["name"]).unlink()
-        return last["rows"]
-
-    dropped = drop_last_part()
+    dropped = drop_last_part(out)
     before = snapshot(out)
     for command in ("run", "validate"):
         line = refusal(invoke(command, job, "--set", "engine.dtype=bfloat16"))
@@ -612,7 +607,7 @@ def test_fingerprint_covers_the_numerics(
     manifest = manifest_of(out)
     del manifest["fingerprint"]["numerics"]
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
-    drop_last_part()
+    drop_last_part(out)
     assert "numerics differs" in refusal(invoke("run", job, "--set", "engine.dtype=bfloat16"))
     if cpu_bf16:
         assert "numerics differs" in refusal(invoke("run", job, "--set", "engine.dtype=auto"))
@@ -644,12 +639,7 @@ def test_fingerprint_covers_the_kv_cache_dtype(model: Path, tmp_path: Path) -> N
     first = read_results(out)
     assert manifest_of(out)["fingerprint"]["numerics"] == "dtype=float32,kv_cache_dtype=int8"
 
-    def drop_last_part() -> int:
-        last = manifest_of(out)["parts"][-1]
-        (out / last["name"]).unlink()
-        return last["rows"]
-
-    dropped = drop_last_part()
+    dropped = drop_last_part(out)
     before = snapshot(out)
     for value in ("auto", "float32"):
         for command in ("run", "validate"):
@@ -669,7 +659,7 @@ def test_fingerprint_covers_the_kv_cache_dtype(model: Path, tmp_path: Path) -> N
     manifest = manifest_of(out)
     manifest["fingerprint"]["numerics"] = "dtype=float32"
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
-    drop_last_part()
+    drop_last_part(out)
     line = refusal(invoke("run", job))  # the job asks for int8
     assert "kv_cache_dtype=float32 in the folder, " in line, line
     assert "kv_cache_dtype=int8 now" in line, line
@@ -710,3 +700,11 @@ def test_sigkill_then_resume_with_int8_kv_cache(tiny_model, tmp_path: Path) -> N
         f"\n[resume] int8 KV: killed after {committed} of {rows} rows committed; resumed: "
         f"{figures['samples']} samples, {ties.exempt} near-tie flips"
     )
+
+
+def drop_last_part(out: Path) -> int:
+    """Delete the output folder's last committed part file (as a lost file would); return its
+    row count."""
+    last = manifest_of(out)["parts"][-1]
+    (out / last["name"]).unlink()
+    return last["rows"]
