@@ -439,8 +439,9 @@ def test_uniform_noise_bit_identical_to_torch(kernel: CpuKernels) -> None:
         assert bool(((g > 0) & (g < 1)).all())
 
 
+# 64 and 150: the kernel reads a prefix 64 keys at a time (one chunk exactly; a partial last one)
 @pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
-@pytest.mark.parametrize("prefix_len", [1, 16, 37])
+@pytest.mark.parametrize("prefix_len", [1, 16, 37, 64, 150])
 def test_prefix_attention_merge_matches_attention_over_all_parts(
     flavor: Flavor, hq: int, hkv: int, d: int, bs: int, prefix_len: int
 ) -> None:
@@ -495,6 +496,34 @@ def test_prefix_attention_merge_matches_attention_over_all_parts(
     others = [2, 6, 8, 9]
     assert torch.equal(out[others], before[others])
     assert torch.equal(lse[others], lse_before[others])
+
+
+@pytest.mark.parametrize("num_rows", [33, 70])
+def test_prefix_attention_merge_many_rows(flavor: Flavor, num_rows: int) -> None:
+    """More (row, head) pairs than one work item takes (128): several items per prefix and KV
+    head, several 16-lane tiles per item (the last one partial), over a multi-chunk prefix."""
+    hq, hkv, d, bs, prefix_len = 8, 2, 64, 16, 100
+    gen = torch.Generator().manual_seed(num_rows)
+    c = make_case(hq, hkv, d, bs, [1], [prefix_len], prefix_len, flavor.dtype)
+    kc, vc = c["k_cache"], c["v_cache"]
+    bt = c["block_tables"][0].tolist()
+    slots = torch.tensor([bt[i // bs] * bs + i % bs for i in range(prefix_len)])
+    k = kc.reshape(-1, hkv, d)[slots].double()  # [P, Hkv, D]
+    v = vc.reshape(-1, hkv, d)[slots].double()
+    q = (torch.randn(num_rows, hq, d, generator=gen) * 2).to(flavor.dtype)
+    # The rows' own part: nothing attended yet (lse -inf: the merge takes the prefix alone).
+    out = torch.zeros(num_rows, hq, d)
+    lse = torch.full((num_rows, hq), float("-inf"))
+    flavor.kernel.prefix_attention_merge_(
+        q, kc, vc, slots, torch.tensor([0, prefix_len]), torch.arange(num_rows),
+        torch.tensor([0, num_rows]), out, lse, 0.3,
+    )  # fmt: skip
+    qh = q.double().view(num_rows, hkv, hq // hkv, d)
+    s = torch.einsum("thgd,khd->thgk", qh, k) * 0.3
+    want = torch.einsum("thgk,khd->thgd", s.softmax(-1), v).reshape(num_rows, hq, d)
+    torch.testing.assert_close(out, want.float(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1).reshape(num_rows, hq).float(),
+                               atol=2e-5, rtol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize("vocab", [1, 16, 17, 4099])

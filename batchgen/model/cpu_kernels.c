@@ -93,11 +93,31 @@ typedef struct {
 /* keys ahead of the current one whose K/V rows are prefetched */
 #define PREFETCH 16
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
 
 /* exp(x) lane-wise for x <= 0: x = n*ln2 + r, |r| <= ln2/2, e^r by its degree-7 Taylor polynomial
- * (relative error < 1e-8, below fp32 rounding), 2^n through the exponent bits; 0 below -87. */
+ * (relative error < 1e-8, below fp32 rounding), 2^n through the exponent bits; 0 below -87.
+ * EXP_NONPOS_GENERIC defines it for a generic vector type V (VI: its int32 twin). */
+#define EXP_NONPOS_GENERIC(NAME, V, VI)                                                       \
+    static inline V NAME(V x) {                                                                \
+        VI under = x < -87.0f; /* -1 where e^x underflows */                                   \
+        V xc = (V)(((VI)x & ~under) | ((VI)((V){0} - 87.0f) & under));                         \
+        V t = xc * 1.44269504088896341f + 0.5f;                                                \
+        VI ni = __builtin_convertvector(t, VI); /* truncates toward zero */                   \
+        ni += (VI)(__builtin_convertvector(ni, V) > t); /* floor: -1 where it went up */        \
+        V n = __builtin_convertvector(ni, V);                                                  \
+        V r = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;                   \
+        V p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;                                            \
+        p = p * r + 1.0f / 120.0f;                                                             \
+        p = p * r + 1.0f / 24.0f;                                                              \
+        p = p * r + 1.0f / 6.0f;                                                               \
+        p = p * r + 0.5f;                                                                      \
+        p = p * r + 1.0f;                                                                      \
+        p = p * r + 1.0f;                                                                      \
+        V two_n = (V)((ni + 127) << 23);                                                       \
+        return (V)((VI)(p * two_n) & ~under);                                                  \
+    }
 #if defined(__AVX512F__)
 /* AVX-512: rounding and the 2^n scaling are single instructions (vrndscaleps, vscalefps) */
 static inline v16 exp16_nonpos(v16 x) {
@@ -118,24 +138,7 @@ static inline v16 exp16_nonpos(v16 x) {
     return (v16)_mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
 #else
-static inline v16 exp16_nonpos(v16 x) {
-    vi16 under = x < -87.0f;                    /* -1 where e^x underflows */
-    v16 xc = (v16)(((vi16)x & ~under) | ((vi16)((v16){0} - 87.0f) & under));
-    v16 t = xc * 1.44269504088896341f + 0.5f;
-    vi16 ni = __builtin_convertvector(t, vi16); /* truncates toward zero */
-    ni += (vi16)(__builtin_convertvector(ni, v16) > t); /* floor: -1 where truncation went up */
-    v16 n = __builtin_convertvector(ni, v16);
-    v16 r = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-    v16 p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    v16 two_n = (v16)((ni + 127) << 23);
-    return (v16)((vi16)(p * two_n) & ~under);
-}
+EXP_NONPOS_GENERIC(exp16_nonpos, v16, vi16)
 #endif
 
 static inline v16 load16(const float *p) {
@@ -149,6 +152,34 @@ static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 static inline v16 max16(v16 a, v16 b) {
     vi16 gt = b > a;
     return (v16)(((vi16)b & gt) | ((vi16)a & ~gt));
+}
+
+/* The native vector: VL fp32 lanes in one register (a zmm with AVX-512, else a ymm). GCC keeps a
+ * v16 in registers only where it is native; elsewhere it moves every v16 through the stack in
+ * 8-byte pieces, so hot loops that hold many vectors live (the tiles below) use vn. */
+#if defined(__AVX512F__)
+#define VL 16
+typedef v16 vn;
+typedef vi16 vin;
+static inline vn expn_nonpos(vn x) { return exp16_nonpos(x); }
+#else
+#define VL 8
+typedef float vn __attribute__((vector_size(32)));
+typedef int32_t vin __attribute__((vector_size(32)));
+EXP_NONPOS_GENERIC(expn_nonpos, vn, vin)
+#endif
+
+static inline vn loadn(const float *p) {
+    vn v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storen(float *p, vn v) { memcpy(p, &v, sizeof v); }
+
+static inline vn maxn(vn a, vn b) {
+    vin gt = b > a;
+    return (vn)(((vin)b & gt) | ((vin)a & ~gt));
 }
 
 /* ---- bf16: the upper 16 bits of an fp32; fp32 -> bf16 rounds to nearest even (as torch) ---- */
@@ -613,6 +644,13 @@ static void run_task(Task *t) {
 
 #define TILE 16
 #define ITEM_ROWS 128 /* query rows (tokens x G) per work item */
+/* score accumulators tile_attend keeps in registers: with the q row and a broadcast key element
+ * they fill a zmm file (32) with AVX-512 or a ymm file (16) with AVX2 */
+#if defined(__AVX512F__)
+#define TILE_KEYS 16
+#else
+#define TILE_KEYS 8
+#endif
 
 typedef struct {
     int seq;      /* index into Args.seqs */
@@ -621,33 +659,49 @@ typedef struct {
     int t_end;
 } TileItem;
 
-static inline __attribute__((always_inline)) void tile_attend(
-    const float *kbuf, const float *vbuf, int num_keys, int k0, const float *qt, vi16 pos,
-    int pos_min, int pos_max, float *ot, v16 *m_out, v16 *l_out, const int D) {
-    v16 m = (v16){0} - 1e30f, l = {0};
-    for (int d = 0; d < D; d++) store16(ot + 16 * d, (v16){0});
+/* Lanes lane0 .. lane0+VL-1 of a tile (all 16 with AVX-512): qt and ot rows of 16 floats per d,
+ * read and written at lane0; pos, m, l: 16 per tile. pos_min/pos_max span the whole tile. */
+static inline __attribute__((always_inline)) void tile_attend_lanes(
+    const float *kbuf, const float *vbuf, int num_keys, int k0, const float *qt,
+    const int32_t *pos_l, int pos_min, int pos_max, float *ot, float *m_out, float *l_out,
+    int lane0, int resume, const int D) {
+    vn m = (vn){0} - 1e30f, l = {0};
+    vin pos;
+    memcpy(&pos, pos_l + lane0, sizeof pos);
+    qt += lane0;
+    ot += lane0;
+    if (resume) { /* carry on from the state ot, m, l hold */
+        m = loadn(m_out + lane0);
+        l = loadn(l_out + lane0);
+    } else {
+        for (int d = 0; d < D; d++) storen(ot + 16 * d, (vn){0});
+    }
     const int last = pos_max - k0 + 1 < num_keys ? pos_max - k0 + 1 : num_keys; /* keys seen */
     for (int j0 = 0; j0 < last; j0 += 16) {
-        v16 s[16];
-        for (int j = 0; j < 16; j++) s[j] = (v16){0};
+        vn s[16];
         const float *kb = kbuf + (int64_t)j0 * D;
-        for (int d = 0; d < D; d++) {
-            const v16 q = load16(qt + 16 * d);
-            for (int j = 0; j < 16; j++) s[j] += kb[j * D + d] * q;
+        for (int jb = 0; jb < 16; jb += TILE_KEYS) { /* TILE_KEYS accumulators in registers */
+            vn acc[TILE_KEYS];
+            for (int j = 0; j < TILE_KEYS; j++) acc[j] = (vn){0};
+            for (int d = 0; d < D; d++) {
+                const vn q = loadn(qt + 16 * d);
+                for (int j = 0; j < TILE_KEYS; j++) acc[j] += kb[(jb + j) * D + d] * q;
+            }
+            for (int j = 0; j < TILE_KEYS; j++) s[jb + j] = acc[j];
         }
         if (k0 + j0 + 15 > pos_min) { /* some row sees only part of this block */
             for (int j = 0; j < 16; j++) {
-                const vi16 vis = pos >= k0 + j0 + j;
-                s[j] = (v16)(((vi16)s[j] & vis) | ((vi16)((v16){0} - INFINITY) & ~vis));
+                const vin vis = pos >= k0 + j0 + j;
+                s[j] = (vn)(((vin)s[j] & vis) | ((vin)((vn){0} - INFINITY) & ~vis));
             }
         }
-        v16 bm = s[0];
-        for (int j = 1; j < 16; j++) bm = max16(bm, s[j]);
-        const v16 m_new = max16(m, bm);
-        const v16 alpha = exp16_nonpos(m - m_new);
-        v16 sum = {0};
+        vn bm = s[0];
+        for (int j = 1; j < 16; j++) bm = maxn(bm, s[j]);
+        const vn m_new = maxn(m, bm);
+        const vn alpha = expn_nonpos(m - m_new);
+        vn sum = {0};
         for (int j = 0; j < 16; j++) {
-            s[j] = exp16_nonpos(s[j] - m_new);
+            s[j] = expn_nonpos(s[j] - m_new);
             sum += s[j];
         }
         l = l * alpha + sum;
@@ -655,31 +709,45 @@ static inline __attribute__((always_inline)) void tile_attend(
         const float *vb = vbuf + (int64_t)j0 * D;
         int d = 0;
         for (; d + 8 <= D; d += 8) { /* 8 independent accumulator chains keep the FMAs busy */
-            v16 o[8];
-            for (int c = 0; c < 8; c++) o[c] = load16(ot + 16 * (d + c)) * alpha;
+            vn o[8];
+            for (int c = 0; c < 8; c++) o[c] = loadn(ot + 16 * (d + c)) * alpha;
             for (int j = 0; j < 16; j++)
                 for (int c = 0; c < 8; c++) o[c] += s[j] * vb[j * D + d + c];
-            for (int c = 0; c < 8; c++) store16(ot + 16 * (d + c), o[c]);
+            for (int c = 0; c < 8; c++) storen(ot + 16 * (d + c), o[c]);
         }
         for (; d < D; d++) {
-            v16 o = load16(ot + 16 * d) * alpha;
+            vn o = loadn(ot + 16 * d) * alpha;
             for (int j = 0; j < 16; j++) o += s[j] * vb[j * D + d];
-            store16(ot + 16 * d, o);
+            storen(ot + 16 * d, o);
         }
     }
-    *m_out = m;
-    *l_out = l;
+    storen(m_out + lane0, m);
+    storen(l_out + lane0, l);
+}
+
+/* One 16-row tile against keys k0 .. k0+num_keys-1 (kbuf/vbuf rows, zero-padded to a multiple
+ * of 16): ot (16 per d, transposed) <- the unnormalised output, m/l[16] <- each row's running
+ * max and sum; row lane sees the keys at positions <= pos_l[lane]. With resume, the keys extend
+ * the attention whose running state ot, m, l already hold (k0 a multiple of 16 past its keys):
+ * the result is the same, bit for bit, as one call over both key ranges. */
+static inline __attribute__((always_inline)) void tile_attend(
+    const float *kbuf, const float *vbuf, int num_keys, int k0, const float *qt,
+    const int32_t *pos_l, int pos_min, int pos_max, float *ot, float *m, float *l, int resume,
+    const int D) {
+    for (int lane0 = 0; lane0 < 16; lane0 += VL)
+        tile_attend_lanes(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, ot, m, l,
+                          lane0, resume, D);
 }
 
 static void tile_attend_dispatch(const float *kbuf, const float *vbuf, int num_keys, int k0,
-                                 const float *qt, vi16 pos, int pos_min, int pos_max, float *ot,
-                                 v16 *m, v16 *l, int D) {
+                                 const float *qt, const int32_t *pos_l, int pos_min, int pos_max,
+                                 float *ot, float *m, float *l, int resume, int D) {
     if (D == 64)
-        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos, pos_min, pos_max, ot, m, l, 64);
+        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, ot, m, l, resume, 64);
     else if (D == 128)
-        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos, pos_min, pos_max, ot, m, l, 128);
+        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, ot, m, l, resume, 128);
     else
-        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos, pos_min, pos_max, ot, m, l, D);
+        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, ot, m, l, resume, D);
 }
 
 /* r[0..16) in place from rows to columns: afterwards r[j][i] is the old r[i][j]. Four rounds
@@ -782,10 +850,8 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
             if (pos_l[lane] > pos_max) pos_max = pos_l[lane];
         }
         load_tile(qrows, bf, a->scale, D, qt);
-        vi16 pos;
-        memcpy(&pos, pos_l, sizeof pos);
-        v16 m, l;
-        tile_attend_dispatch(kbuf, vbuf, num_keys, k0, qt, pos, pos_min, pos_max, ot, &m, &l, D);
+        float m[16], l[16];
+        tile_attend_dispatch(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, ot, m, l, 0, D);
         unload_tile(ot, D, orow);
         for (int lane = 0; lane < 16 && r0 + lane < rows; lane++) {
             const int r = r0 + lane;
@@ -865,14 +931,86 @@ static int attend_tiled(Args a, int num_threads) {
  * q[r, h] over those keys, then out[r, h] <- the log-sum-exp weighted mix of that result and
  * out[r, h] (whose log-sum-exp is lse[r, h]), i.e. attention over the union of both key sets,
  * and lse[r, h] <- the log-sum-exp of the union. No row may belong to two prefixes of one call
- * (nested prefixes take one call per depth). Each prefix's K/V of each KV head is gathered once;
- * work items are (prefix, KV head, ITEM_ROWS (row, head) pairs), each in 16-lane tiles.
+ * (nested prefixes take one call per depth). Work items are (prefix, KV head, up to ITEM_ROWS
+ * (row, head) pairs): an item reads its prefix's K/V rows straight from the cache, PREFIX_CHUNK
+ * keys at a time into a small fp32 buffer (dequantized there for int8), and runs every 16-lane
+ * tile of its rows over each chunk, so the cache is read once per item and nothing is gathered.
  * Returns 0 on success, nonzero when an allocation failed. */
+#define PREFIX_CHUNK 64 /* keys per chunk: a multiple of 16 */
+#define ITEM_TILES (ITEM_ROWS / TILE)
+
 typedef struct {
     int prefix;
     int kv_head;
     int64_t p0, p1; /* (row, head) pairs p0 .. p1-1 of the prefix's rows */
 } PrefixItem;
+
+static void run_prefix_item(const void *q, int64_t q_stride, const void *k_cache,
+                            const void *v_cache, const float *k_scale, const float *v_scale,
+                            int kv_i8, const int64_t *slots, const int64_t *slot_off,
+                            const int64_t *rows, const int64_t *row_off, const PrefixItem *it,
+                            float *out, float *lse, int num_heads, int num_kv_heads, int D,
+                            float scale, int bf, float *scratch) {
+    const int G = num_heads / num_kv_heads;
+    const int64_t kv_row = (int64_t)num_kv_heads * D;
+    const int c = it->prefix, h = it->kv_head;
+    const int prefix_len = (int)(slot_off[c + 1] - slot_off[c]);
+    const int64_t *cslots = slots + slot_off[c];
+    const int64_t *crows = rows + row_off[c];
+    const int num_tiles = (int)((it->p1 - it->p0 + TILE - 1) / TILE);
+    /* scratch: kbuf, vbuf [PREFIX_CHUNK][D]; per tile qt, ot [16 * D], m, l [16]; orow [16][D] */
+    float *kbuf = scratch, *vbuf = kbuf + PREFIX_CHUNK * (size_t)D;
+    float *qts = vbuf + PREFIX_CHUNK * (size_t)D, *ots = qts + ITEM_TILES * 16 * (size_t)D;
+    float *ms = ots + ITEM_TILES * 16 * (size_t)D, *ls = ms + ITEM_TILES * 16;
+    float *orow = ls + ITEM_TILES * 16;
+    int32_t pos[16]; /* every key visible; the padding of the last chunk masked */
+    for (int lane = 0; lane < 16; lane++) pos[lane] = prefix_len - 1;
+    for (int t = 0; t < num_tiles; t++) {
+        const void *qrows[16];
+        const int64_t r0 = it->p0 + (int64_t)t * TILE;
+        for (int lane = 0; lane < 16; lane++) { /* lanes past the last pair repeat it */
+            const int64_t pr = r0 + lane < it->p1 ? r0 + lane : it->p1 - 1;
+            qrows[lane] = at_any(q, crows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D, bf);
+        }
+        load_tile(qrows, bf, scale, D, qts + t * 16 * (size_t)D);
+    }
+    for (int k0 = 0; k0 < prefix_len; k0 += PREFIX_CHUNK) {
+        const int n = prefix_len - k0 < PREFIX_CHUNK ? prefix_len - k0 : PREFIX_CHUNK;
+        for (int j = 0; j < n; j++) {
+            const int64_t off = cslots[k0 + j] * kv_row + (int64_t)h * D;
+            load_kv_row(kbuf + (int64_t)j * D, k_cache, k_scale, off, D, bf, kv_i8);
+            load_kv_row(vbuf + (int64_t)j * D, v_cache, v_scale, off, D, bf, kv_i8);
+        }
+        const int padded = (n + 15) & ~15;
+        memset(kbuf + (int64_t)n * D, 0, sizeof(float) * D * (padded - n));
+        memset(vbuf + (int64_t)n * D, 0, sizeof(float) * D * (padded - n));
+        for (int t = 0; t < num_tiles; t++)
+            tile_attend_dispatch(kbuf, vbuf, n, k0, qts + t * 16 * (size_t)D, pos,
+                                 prefix_len - 1, prefix_len - 1, ots + t * 16 * (size_t)D,
+                                 ms + t * 16, ls + t * 16, k0 > 0, D);
+    }
+    for (int t = 0; t < num_tiles; t++) {
+        const int64_t r0 = it->p0 + (int64_t)t * TILE;
+        const float *m = ms + t * 16, *l = ls + t * 16;
+        unload_tile(ots + t * 16 * (size_t)D, D, orow);
+        for (int lane = 0; lane < 16 && r0 + lane < it->p1; lane++) {
+            const int64_t pr = r0 + lane;
+            const int64_t row = crows[pr / G];
+            const int hq = h * G + (int)(pr % G);
+            float *ls_at = lse + row * num_heads + hq;
+            const float lsv = *ls_at;
+            const float lp = m[lane] + logf(l[lane]);
+            const float mx = lsv > lp ? lsv : lp;
+            const float ws = expf(lsv - mx), wp = expf(lp - mx);
+            const float inv = 1.0f / (ws + wp);
+            const float a = ws * inv, b = wp * inv / l[lane];
+            float *o = out + (row * num_heads + hq) * D;
+            const float *src = orow + (int64_t)lane * D;
+            for (int d = 0; d < D; d++) o[d] = a * o[d] + b * src[d];
+            *ls_at = mx + logf(ws + wp);
+        }
+    }
+}
 
 static int prefix_attention_merge(const void *q, int64_t q_stride, const void *k_cache,
                                   const void *v_cache, const float *k_scale,
@@ -884,30 +1022,20 @@ static int prefix_attention_merge(const void *q, int64_t q_stride, const void *k
     if (num_prefixes <= 0) return 0;
     const int G = num_heads / num_kv_heads;
     const int D = head_dim;
-    const int64_t kv_row = (int64_t)num_kv_heads * D;
-    /* buffer layout: prefix c at kv_at[c]: [Hkv][padded_c][D] keys, then the same for values */
-    int64_t *kv_at = (int64_t *)malloc(sizeof(int64_t) * (num_prefixes + 1));
     int64_t num_items = 0;
-    if (!kv_at) return 1;
-    kv_at[0] = 0;
     for (int c = 0; c < num_prefixes; c++) {
-        const int64_t padded = (slot_off[c + 1] - slot_off[c] + 15) & ~(int64_t)15;
-        kv_at[c + 1] = kv_at[c] + 2 * padded * D * num_kv_heads;
         const int64_t pairs = (row_off[c + 1] - row_off[c]) * G;
-        if (padded > 0) num_items += (pairs + ITEM_ROWS - 1) / ITEM_ROWS * num_kv_heads;
+        if (slot_off[c + 1] > slot_off[c])
+            num_items += (pairs + ITEM_ROWS - 1) / ITEM_ROWS * num_kv_heads;
     }
-    if (num_items == 0) {
-        free(kv_at);
-        return 0;
-    }
-    float *kv = (float *)calloc(kv_at[num_prefixes], sizeof(float));
+    if (num_items == 0) return 0;
     PrefixItem *items = (PrefixItem *)malloc(sizeof(PrefixItem) * num_items);
     if (num_threads < 1) num_threads = 1;
     if ((int64_t)num_threads > num_items) num_threads = (int)num_items;
-    float *scratch = (float *)malloc(sizeof(float) * 48 * (size_t)D * num_threads);
-    if (!kv || !items || !scratch) {
-        free(kv_at);
-        free(kv);
+    const size_t per_thread =
+        (2 * PREFIX_CHUNK + 2 * ITEM_TILES * 16 + 16) * (size_t)D + 2 * ITEM_TILES * 16;
+    float *scratch = (float *)malloc(sizeof(float) * per_thread * num_threads);
+    if (!items || !scratch) {
         free(items);
         free(scratch);
         return 1;
@@ -922,81 +1050,19 @@ static int prefix_attention_merge(const void *q, int64_t q_stride, const void *k
                     items[n++] = (PrefixItem){c, h, p0, p0 + ITEM_ROWS < pairs ? p0 + ITEM_ROWS : pairs};
         }
     }
-    /* gather: key j of all prefixes (slots are concatenated in prefix order) */
-    const int64_t total_keys = slot_off[num_prefixes];
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-#endif
-    for (int64_t j = 0; j < total_keys; j++) {
-        int c = 0, hi = num_prefixes - 1; /* the prefix of key j: first c with slot_off[c+1] > j */
-        while (c < hi) {
-            const int mid = (c + hi) / 2;
-            if (slot_off[mid + 1] <= j)
-                c = mid + 1;
-            else
-                hi = mid;
-        }
-        const int64_t p = j - slot_off[c];
-        const int64_t padded = (slot_off[c + 1] - slot_off[c] + 15) & ~(int64_t)15;
-        float *base = kv + kv_at[c];
-        for (int h = 0; h < num_kv_heads; h++) {
-            const int64_t off = slots[j] * kv_row + (int64_t)h * D;
-            load_kv_row(base + ((int64_t)h * padded + p) * D, k_cache, k_scale, off, D, bf,
-                        kv_i8);
-            load_kv_row(base + ((int64_t)(num_kv_heads + h) * padded + p) * D, v_cache,
-                        v_scale, off, D, bf, kv_i8);
-        }
-    }
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
 #endif
     for (int64_t i = 0; i < num_items; i++) {
 #ifdef _OPENMP
-        float *qt = scratch + 48 * (size_t)D * omp_get_thread_num();
+        float *mine = scratch + per_thread * omp_get_thread_num();
 #else
-        float *qt = scratch;
+        float *mine = scratch;
 #endif
-        float *ot = qt + 16 * (size_t)D, *orow = ot + 16 * (size_t)D;
-        const PrefixItem it = items[i];
-        const int c = it.prefix, h = it.kv_head;
-        const int prefix_len = (int)(slot_off[c + 1] - slot_off[c]);
-        const int64_t padded = (prefix_len + 15) & ~(int64_t)15;
-        const float *kbuf = kv + kv_at[c] + (int64_t)h * padded * D;
-        const float *vbuf = kv + kv_at[c] + (int64_t)(num_kv_heads + h) * padded * D;
-        const int64_t *crows = rows + row_off[c];
-        const vi16 pos = (vi16){0} + (prefix_len - 1); /* every key visible; padding masked */
-        for (int64_t r0 = it.p0; r0 < it.p1; r0 += TILE) {
-            const void *qrows[16];
-            for (int lane = 0; lane < 16; lane++) { /* lanes past the last pair repeat it */
-                const int64_t pr = r0 + lane < it.p1 ? r0 + lane : it.p1 - 1;
-                qrows[lane] =
-                    at_any(q, crows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D, bf);
-            }
-            load_tile(qrows, bf, scale, D, qt);
-            v16 m, l;
-            tile_attend_dispatch(kbuf, vbuf, prefix_len, 0, qt, pos, prefix_len - 1,
-                                 prefix_len - 1, ot, &m, &l, D);
-            unload_tile(ot, D, orow);
-            for (int lane = 0; lane < 16 && r0 + lane < it.p1; lane++) {
-                const int64_t pr = r0 + lane;
-                const int64_t row = crows[pr / G];
-                const int hq = h * G + (int)(pr % G);
-                float *ls_at = lse + row * num_heads + hq;
-                const float ls = *ls_at;
-                const float lp = m[lane] + logf(l[lane]);
-                const float mx = ls > lp ? ls : lp;
-                const float ws = expf(ls - mx), wp = expf(lp - mx);
-                const float inv = 1.0f / (ws + wp);
-                const float a = ws * inv, b = wp * inv / l[lane];
-                float *o = out + (row * num_heads + hq) * D;
-                const float *src = orow + (int64_t)lane * D;
-                for (int d = 0; d < D; d++) o[d] = a * o[d] + b * src[d];
-                *ls_at = mx + logf(ws + wp);
-            }
-        }
+        run_prefix_item(q, q_stride, k_cache, v_cache, k_scale, v_scale, kv_i8, slots, slot_off,
+                        rows, row_off, &items[i], out, lse, num_heads, num_kv_heads, D, scale,
+                        bf, mine);
     }
-    free(kv_at);
-    free(kv);
     free(items);
     free(scratch);
     return 0;
