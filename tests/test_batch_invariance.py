@@ -6,9 +6,11 @@ tiling and chunked prefill follow how many tokens a step holds. This test pins d
 over engine settings that change every step's shape (max_num_seqs 1 .. 256, prefill chunks of 64
 tokens or whole prompts):
 
-- logprobs of the same token differ by at most LOGPROB_ATOL (measured here, CPU path: up to
-  5.4e-5 in fp32; up to 1.9e-3 in bf16, where every layer's output is rounded to 8 bits of
-  mantissa and oneDNN's GEMM kernel, hence its order of sums, follows the step's row count);
+- logprobs of the same token differ by at most LOGPROB_ATOL (measured, CPU path, max over the
+  settings below: fp32 5.4e-5 on an AVX-512 CPU, 2.4e-4 on an AVX2-only one, whose GEMM and
+  attention kernels sum in other orders; bf16 1.9e-3 on both, where every layer's output is
+  rounded to 8 bits of mantissa and the GEMM kernel, hence its order of sums, follows the step's
+  row count). The bounds leave about 4x room over the worst CPU measured;
 - tokens are the same but for near-ties, which tests/ties.py exempts and counts (in bf16 a
   near-tie is wider: BF16_TIE_EPS, the relative spread of bf16 logits).
 """
@@ -22,7 +24,7 @@ from batchgen.tiny_model import make_prompts
 from tests.jobkit import run_job, write_job
 from tests.ties import TIE_EPS, compare_samples
 
-LOGPROB_ATOL = {"float32": 2e-4, "bfloat16": 1e-2}
+LOGPROB_ATOL = {"float32": 1e-3, "bfloat16": 1e-2}
 TIE_WIDTH = {"float32": TIE_EPS, "bfloat16": 2e-2}
 SAMPLING = {
     "temperature": 0.8,
@@ -61,10 +63,10 @@ def test_tokens_and_logprobs_across_batch_shapes(tiny_model, tmp_path, dtype: st
 # int8 KV cache: every stored byte is a function of its own token's K/V, so the cache holds the same
 # bytes whatever the batch shape, but for a K/V element that the shape's float rounding moves
 # across a quantization boundary (one step of absmax/127), which moves that token's logprobs more
-# than float rounding alone. Measured max |logprob difference| (fp32 compute, CPU) for the three
-# settings below: with the C kernels 4.1e-4, 0 and 5.4e-5; in the torch path (before the C
-# kernels served int8) 1.5e-5, 1.5e-5 and 4.7e-6; no near-tie exemption in 144 samples.
-INT8_LOGPROB_ATOL = 2e-3
+# than float rounding alone. Measured max |logprob difference| (fp32 compute, C kernels) for the
+# three settings below: 4.1e-4, 0 and 5.4e-5 on an AVX-512 CPU; 4.6e-3, 3.9e-6 and 3.7e-5 on an
+# AVX2-only one; no near-tie exemption in 144 samples. The bound leaves about 3x room.
+INT8_LOGPROB_ATOL = 1.5e-2
 INT8_SETTINGS = {
     "chunks-of-64-one-seq": {"max_num_seqs": 1, "max_num_batched_tokens": 64},
     "block-4-no-prefix-cache": {"block_size": 4, "prefix_caching": False, "max_num_seqs": 5},
