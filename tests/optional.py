@@ -7,7 +7,8 @@ cannot run, the test FAILS, so a CI machine that silently lost its compiler cann
 half the suite. A machine that truly lacks one opts out by naming it in
 ``BATCHGEN_TEST_ALLOW_MISSING`` (comma-separated, or ``all``); then those tests skip, and the
 session summary (tests/conftest.py) says which paths ran. CUDA is never required: GPU tests
-skip without one, by name.
+skip without one, by name; likewise oneDNN's bf16 GEMM needs a CPU that oneDNN runs bf16 on
+(AVX-512 or newer), so its tests skip on an AVX2-only CPU and fail only where the CPU has it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 import pytest
 
 OPT_OUT = "BATCHGEN_TEST_ALLOW_MISSING"
-NEVER_REQUIRED = {"cuda"}
 
 
 def _cpu_kernels() -> bool:
@@ -57,6 +57,15 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _onednn_bf16_cpu() -> bool:
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without oneDNN: the path is missing, not the CPU
+        return True
+
+
 def _native_bf16() -> bool:
     from batchgen.model.cpu_features import bf16_support
 
@@ -78,6 +87,11 @@ def available(name: str) -> bool:
     return PATHS[name][1]()
 
 
+# Paths that need hardware a machine may simply not have: where the hardware test is False,
+# their tests skip (by name) instead of failing.
+HARDWARE = {"cuda": _cuda, "onednn": _onednn_bf16_cpu}
+
+
 def allowed_missing() -> set[str]:
     names = {n.strip() for n in os.environ.get(OPT_OUT, "").split(",") if n.strip()}
     return set(PATHS) if "all" in names else names
@@ -88,7 +102,9 @@ def require(name: str) -> None:
     if available(name):
         return
     what = PATHS[name][0]
-    if name in NEVER_REQUIRED or name in allowed_missing():
+    if name in HARDWARE and not HARDWARE[name]():
+        pytest.skip(f"{what}: this machine lacks the hardware it needs")
+    if name in allowed_missing():
         pytest.skip(f"{what} is not available here")
     pytest.fail(
         f"{what} cannot run on this machine; install what it needs, or set "
