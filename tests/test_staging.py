@@ -26,12 +26,13 @@ def test_staged_steps_equal_unstaged_ones(tiny_model, monkeypatch) -> None:
     compared = []
     real = batch_mod.build_step
 
-    def both(batch, block_size, device, staging=None):
+    def both(batch, block_size, device, staging=None, in_flight=None):
         assert staging is engine.staging
-        got = real(batch, block_size, device, staging)
-        want = real(batch, block_size, device)
-        for name in ("input_ids", "positions", "logits_indices"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        got = real(batch, block_size, device, staging, in_flight)
+        want = real(batch, block_size, device, in_flight=in_flight)
+        for name in ("input_ids", "positions", "logits_indices", "fill_rows", "fill_src"):
+            x, y = getattr(got, name), getattr(want, name)
+            assert (x is None and y is None) or torch.equal(x, y), name
         for name in ("slot_mapping", "block_tables", "cu_seqlens_q", "seq_lens"):
             x, y = getattr(got.meta, name), getattr(want.meta, name)
             assert x.dtype == y.dtype and torch.equal(x, y), name
