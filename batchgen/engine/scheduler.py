@@ -497,7 +497,7 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
-            else:
+            elif id(seq) not in self._retired:  # (a retired one holds no blocks)
                 self._cache_full_blocks(seq)  # blocks completed by a once in-flight token
         return finished
 
