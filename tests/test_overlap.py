@@ -18,9 +18,9 @@ from transformers import AutoTokenizer
 
 from batchgen.engine.noise import rng_key
 from batchgen.engine.request import FinishReason, Request, SampleTarget, SamplingParams
-from tests.hf_reference import ARCHS
 from batchgen.tiny_model import make_prompts
-from tests.jobkit import run_job, write_job
+from tests.hf_reference import ARCHS
+from tests.jobkit import invoke, run_job, write_job
 from tests.test_engine import make_engine, random_prompts
 
 LOGPROB_ATOL = 2e-4  # batch shapes differ a little (discarded rows, rows that wait a step)
@@ -56,7 +56,9 @@ def both(model, requests, **engine_kw) -> tuple[dict, dict, object, object]:
         assert (g.token_ids, g.finish_reason, g.text) == (w.token_ids, w.finish_reason, w.text), key
         if w.token_logprobs is not None:
             assert g.token_logprobs is not None
-            worst = max(map(abs, (a - b for a, b in zip(g.token_logprobs, w.token_logprobs))))
+            worst = max(
+                map(abs, (a - b for a, b in zip(g.token_logprobs, w.token_logprobs, strict=True)))
+            )
             assert worst <= LOGPROB_ATOL, key
     assert off.stats.overlapped_steps == 0 and off.stats.discarded_tokens == 0
     assert on.stats.overlapped_steps > 0
@@ -72,10 +74,14 @@ def test_greedy_eos_prefixes_and_max_tokens(tiny_model) -> None:
     template = random_prompts([11], seed=1)[0]
     prompts = [template + p[1:] for p in random_prompts([1, 4, 9, 6], seed=2)]
     prompts += random_prompts([1, 3, 7, 13, 20], seed=3)
-    plain = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 4)) for i in range(len(prompts))]
+    plain = [
+        SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 4)) for i in range(len(prompts))
+    ]
     # Stop tokens: tokens the free-running outputs draw in their middle.
     ref = run(make_engine(model), list(zip(prompts, plain, strict=True)))
-    stops = tuple({r.token_ids[len(r.token_ids) // 2] for r in ref.values() if len(r.token_ids) > 2})
+    stops = tuple(
+        {r.token_ids[len(r.token_ids) // 2] for r in ref.values() if len(r.token_ids) > 2}
+    )
     params = [
         SamplingParams(temperature=0.0, max_tokens=p.max_tokens, stop_token_ids=stops[:3])
         for p in plain
@@ -186,6 +192,8 @@ def test_jobs_with_grammar_rows(tiny_model, tmp_path) -> None:
     for mode in ("off", "on"):
         job = write_job(tmp_path / mode, model, table=table, sampling=sampling,
                         engine={"overlap": mode}, input_extra={"schema_column": "schema"})  # fmt: skip
+        plan = invoke("validate", job)
+        assert plan.exit_code == 0 and f"overlap {mode}" in plan.stdout
         rows[mode] = {(r["id"], r["sample_index"]): r for r in run_job(job)}
         reports[mode] = json.loads((tmp_path / mode / "out" / "_report.json").read_text())
     assert reports["off"]["overlapped_steps"] == 0 and reports["on"]["overlapped_steps"] > 0

@@ -101,7 +101,9 @@ def build_step(
     )
     fills = (None, None)
     if fill_rows:
-        fills = tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (fill_rows, fill_src))
+        fills = tuple(
+            torch.tensor(x, dtype=torch.int64, device=device) for x in (fill_rows, fill_src)
+        )
     return StepTensors(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=pos.to(device),
