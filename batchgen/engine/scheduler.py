@@ -19,7 +19,7 @@ token drawn after it is discarded (``num_discarded_tokens``). A sequence the in-
 finishes for sure (max_tokens, max_model_len) is retired at ``launched``: not scheduled again,
 its blocks freed as they would be without overlap. ``update`` is both halves at once.
 
-One noun in one file (about 530 lines): admission, the token budget, forks, parking and
+One noun in one file (about 640 lines): admission, the token budget, forks, parking and
 preemption share the block accounting that ``check`` asserts, and split apart they would each
 have to re-derive it.
 """
