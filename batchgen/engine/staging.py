@@ -24,7 +24,7 @@ import torch
 __all__ = ["PendingReadback", "Readback", "Staging"]
 
 _TYPECODE = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
-_RING = 4  # upload buffers per dtype on CUDA
+_RING = 8  # upload buffers per dtype on CUDA (a step makes up to three int64 uploads)
 
 
 def _pinned(dtype: torch.dtype, numel: int, old: torch.Tensor | None) -> torch.Tensor:
