@@ -348,8 +348,10 @@ class EngineConfig(_Section):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     prefix_caching: bool = True
     cuda_graphs: Literal["auto", "on", "off"] = "off"
+    # launch each step before reading the previous step's tokens back; auto: on CUDA devices
+    overlap: Literal["auto", "on", "off"] = "auto"
 
-    @field_validator("cuda_graphs", mode="before")
+    @field_validator("cuda_graphs", "overlap", mode="before")
     @classmethod
     def _yaml_booleans(cls, value: Any) -> Any:
         """YAML 1.1 reads a bare ``on`` / ``off`` as a boolean."""

@@ -286,7 +286,16 @@ def engine_config(job: Job, place: Placement, num_blocks: int, length: int) -> E
         prefix_caching=eng.prefix_caching,
         attention_backend=place.backend,
         cuda_graphs=eng.cuda_graphs == "on",  # auto: off until verified on a GPU
+        overlap=resolve_overlap(eng.overlap, place.device),
     )
+
+
+def resolve_overlap(setting: str, device: torch.device) -> bool:
+    """``engine.overlap``: ``auto`` overlaps the host's work with the device's on CUDA only (a
+    CPU engine computes on the host: nothing to overlap); ``on`` works on any device (tests)."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return setting == "on"
 
 
 def sampling_params(job: Job) -> SamplingParams:
@@ -324,7 +333,8 @@ def describe_engine(job: Job, info: ModelInfo, place: Placement) -> list[str]:
     )
     return [
         f"device:   {place.device} {place.dtype_name} ({place.dtype_reason}), "
-        f"attention {place.backend}",
+        f"attention {place.backend}, overlap "
+        f"{'on' if resolve_overlap(job.engine.overlap, place.device) else 'off'}",
         f"KV cache: {place.kv_dtype_name}{scales}, {per_token} bytes/token; holds "
         f"{num_blocks * bs} tokens ({num_blocks} blocks x {bs}, "
         f"{num_blocks * bs * per_token / 2**20:.1f} MiB)",

@@ -18,6 +18,9 @@ informative) and its figures. Checks:
 - ``profile``: device-busy time against wall time over decode steps, and the top kernels.
 - ``variants``: binaries each Triton kernel compiled over the run (its JIT cache).
 - ``graphs``: ``engine.cuda_graphs`` on against off: the same greedy tokens, decode time.
+- ``overlap``: ``engine.overlap`` on against off: the same tokens (greedy bf16 to max_tokens,
+  seeded fp32 with stop tokens that end samples early), the run times, steps launched ahead and
+  tokens discarded.
 - ``sampler``: the Triton sampler kernels on a 152k vocabulary: noise bit-identical to the
   formula, tokens equal, both timed.
 
@@ -129,7 +132,7 @@ def random_prompts(count: int, vocab: int, lo: int, hi: int, seed: int) -> list[
 
 def make_engine(model_dir: Path, device: Any, dtype: Any, num_blocks: int | None = None,
                 max_num_seqs: int = 256, max_tokens_per_step: int = 8192,
-                cuda_graphs: bool = False) -> Any:  # fmt: skip
+                cuda_graphs: bool = False, overlap: bool = False) -> Any:  # fmt: skip
     """A Triton-backend engine (as the runner builds it), KV sized as ``auto`` does on CUDA."""
     import torch
 
@@ -160,6 +163,7 @@ def make_engine(model_dir: Path, device: Any, dtype: Any, num_blocks: int | None
         max_model_len=min(info.max_model_len, num_blocks * 16),
         attention_backend="triton",
         cuda_graphs=cuda_graphs,
+        overlap=overlap,
     )
     start = time.perf_counter()
     engine = Engine(model, info, config, device=device, dtype=dtype)  # warms up on CUDA
@@ -169,12 +173,13 @@ def make_engine(model_dir: Path, device: Any, dtype: Any, num_blocks: int | None
 
 
 def run_engine(engine: Any, prompts: list[list[int]], n: int, max_tokens: int,
-               temperature: float) -> tuple[dict, float]:  # fmt: skip
+               temperature: float, stop_token_ids: tuple[int, ...] = ()) -> tuple[dict, float]:  # fmt: skip
     """(row, sample) -> token ids, and the seconds the steps took."""
     from batchgen.engine.noise import rng_key
     from batchgen.engine.request import Request, SampleTarget, SamplingParams
 
-    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                            stop_token_ids=stop_token_ids, seed=1)  # fmt: skip
     for row, p in enumerate(prompts):
         targets = tuple(SampleTarget(row, k, rng_key(0, row, k)) for k in range(n))
         engine.add(Request(tuple(p), params, targets))
@@ -483,6 +488,45 @@ def check_graphs(geo: Geometry, sizes: Sizes, device: Any, work: Path, dry: bool
     return result
 
 
+def check_overlap(geo: Geometry, sizes: Sizes, device: Any, work: Path, dry: bool) -> dict:
+    """engine.overlap on against off: identical tokens; run time, overlapped and discarded."""
+    import torch
+
+    folder = work / geo.name
+    if not (folder / "config.json").exists():
+        make_model(folder, geo, sizes.layers, device)
+    rows = 4 if dry else 64
+    prompts = random_prompts(rows, geo.vocab, 8, 40 if dry else 300, seed=4)
+    # ~3% of the vocabulary as stop tokens: most samples end early, unforeseen
+    stops = tuple(range(3, 3 + geo.vocab // 32))
+    cases = {
+        "bf16_greedy": (torch.bfloat16, 0.0, (), 6 if dry else 64),
+        "fp32_seeded_stops": (torch.float32, 0.8, stops, 6 if dry else 64),
+    }
+    result: dict[str, Any] = {"ok": True}
+    for name, (dtype, temperature, stop_ids, max_tokens) in cases.items():
+        runs = {}
+        for overlap in (False, True):
+            engine = make_engine(folder, device, dtype, num_blocks=256 if dry else 8192,
+                                 max_num_seqs=64, overlap=overlap)  # fmt: skip
+            run_engine(engine, prompts[:2], 1, 2, temperature)  # warm-up
+            engine.stats.overlapped_steps = engine.stats.discarded_tokens = 0
+            out, seconds = run_engine(engine, prompts, 2, max_tokens, temperature, stop_ids)
+            runs[overlap] = (out, seconds, engine.stats.overlapped_steps,
+                             engine.stats.discarded_tokens)  # fmt: skip
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        want = runs[False][0]
+        same = sum(runs[True][0].get(k) == v for k, v in want.items())
+        result[name] = dict(identical_samples=same, samples=len(want), off_s=runs[False][1],
+                            on_s=runs[True][1], overlapped_steps=runs[True][2],
+                            discarded_tokens=runs[True][3],
+                            mean_tokens=sum(map(len, want.values())) / len(want))  # fmt: skip
+        result["ok"] = result["ok"] and same == len(want) and runs[True][2] > 0
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -519,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             ("throughput", lambda: check_throughput_and_profile(geos[0], sizes, device, work,
                                                                 args.cpu_dry_run)),
             ("graphs", lambda: check_graphs(geos[0], sizes, device, work, args.cpu_dry_run)),
+            ("overlap", lambda: check_overlap(geos[0], sizes, device, work, args.cpu_dry_run)),
         ]  # fmt: skip
         for name, fn in steps:
             start = time.perf_counter()

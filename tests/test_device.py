@@ -75,13 +75,26 @@ def test_cuda_graphs_on_is_refused_on_a_cpu(tiny_model, tmp_path) -> None:
     assert "cpu" in line
 
 
-def test_cuda_graphs_reads_yaml_booleans(tmp_path) -> None:
-    """``cuda_graphs: off`` / ``on`` unquoted are YAML booleans; they mean the words."""
+def test_cuda_graphs_and_overlap_read_yaml_booleans(tmp_path) -> None:
+    """``cuda_graphs: off`` / ``on`` unquoted are YAML booleans; they mean the words (the same
+    for ``overlap``)."""
     from batchgen.job import load_job
     from tests.jobkit import write_job_file
 
-    for text, want in (("off", "off"), ("on", "on"), ("auto", "auto")):
-        job = {"model": "m", "input": {"path": "p.parquet"}, "output": {"path": "o"}}
-        path = write_job_file(tmp_path, job)
-        path.write_text(path.read_text() + f"engine:\n  cuda_graphs: {text}\n")
-        assert load_job(path).engine.cuda_graphs == want
+    for key in ("cuda_graphs", "overlap"):
+        for text, want in (("off", "off"), ("on", "on"), ("auto", "auto")):
+            job = {"model": "m", "input": {"path": "p.parquet"}, "output": {"path": "o"}}
+            path = write_job_file(tmp_path, job)
+            path.write_text(path.read_text() + f"engine:\n  {key}: {text}\n")
+            assert getattr(load_job(path).engine, key) == want
+
+
+def test_overlap_auto_is_on_only_on_cuda() -> None:
+    import torch
+
+    from batchgen.plan import resolve_overlap
+
+    assert resolve_overlap("auto", torch.device("cuda:1"))
+    assert not resolve_overlap("auto", torch.device("cpu"))
+    assert resolve_overlap("on", torch.device("cpu"))
+    assert not resolve_overlap("off", torch.device("cuda"))

@@ -47,3 +47,31 @@ def test_fp32_cuda_matches_cpu(arch, sampling, device, tiny_model, tmp_path) -> 
     assert report["device"].startswith("cuda") and report["attention_backend"] == "triton"
     assert report["dtype"] == "float32"
     compare_samples(gpu, cpu, model=model, prompts=dict(enumerate(prompts)), sampling=params)
+
+
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_overlap_on_cuda_gives_the_same_samples(graphs, tiny_model, tmp_path) -> None:
+    """``engine.overlap`` on against off on CUDA (pinned readback, tokens filled on the device,
+    with and without CUDA graphs): the same tokens, finish reasons and texts, EOS-free and with
+    stop tokens that end samples early (the token drawn after them is discarded)."""
+    require("cuda")
+    model = tiny_model("llama", **ARCHS["llama"])
+    prompts = make_prompts(12, seed=4, min_words=3, max_words=40)
+    params = {"temperature": 0.8, "top_k": 20, "max_tokens": 16, "n": 2, "seed": 3,
+              "logprobs": True, "stop_token_ids": list(range(40, 60))}  # fmt: skip
+    engine = {"dtype": "float32", "block_size": 4, "max_num_seqs": 6, "device": "cuda",
+              "cuda_graphs": graphs}  # fmt: skip
+    rows, reports = {}, {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        job = write_job(out, model, prompts, sampling=params, engine={**engine, "overlap": mode})
+        rows[mode] = {(r["id"], r["sample_index"]): r for r in run_job(job)}
+        reports[mode] = json.loads((out / "out" / "_report.json").read_text())
+    for key, want in rows["off"].items():
+        got = rows["on"][key]
+        assert (got["token_ids"], got["finish_reason"], got["text"]) == (
+            want["token_ids"], want["finish_reason"], want["text"]
+        ), key  # fmt: skip
+        assert abs(got["cumulative_logprob"] - want["cumulative_logprob"]) < 1e-3, key
+    assert rows["on"].keys() == rows["off"].keys()
+    assert reports["off"]["overlapped_steps"] == 0 and reports["on"]["overlapped_steps"] > 0

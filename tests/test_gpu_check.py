@@ -32,7 +32,16 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     assert all(v.startswith("rc=0 ") for v in summary.values()), summary
     checks = json.loads((out / "checks.json").read_text())
     assert checks["dry_run"] is True
-    for key in ("sampler", "parity", "kv_sizing", "throughput", "profile", "variants", "graphs"):
+    for key in (
+        "sampler",
+        "parity",
+        "kv_sizing",
+        "throughput",
+        "profile",
+        "variants",
+        "graphs",
+        "overlap",
+    ):
         assert checks[key].get("ok") is not False, (key, checks[key])
     models = checks["parity"]["models"]
     assert len(models) == 2 and all(set(m) == {"float32", "bfloat16"} for m in models.values())

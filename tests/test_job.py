@@ -80,6 +80,7 @@ SPEC_ENGINE = {
     "attention_backend": "auto",
     "prefix_caching": True,
     "cuda_graphs": "off",
+    "overlap": "auto",  # not in SPEC: launch steps ahead of the token readback (CUDA)
 }
 
 

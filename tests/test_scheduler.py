@@ -79,6 +79,62 @@ class FakeRunner:
         self.sched.check()
         return finished
 
+    def pending(self) -> bool:
+        return False
+
+
+class OverlapRunner(FakeRunner):
+    """Steps overlapped the engine's way: step N+1 is scheduled and "computed" before step N's
+    tokens are given to the scheduler. A token in flight is written into the KV store from step
+    N's draws (as the device fills it), never from ``token_ids``, which does not hold it yet."""
+
+    def __init__(self, sched: Scheduler, num_blocks: int, block_size: int) -> None:
+        super().__init__(sched, num_blocks, block_size)
+        self.prev: tuple[object, list[Draw]] | None = None  # launched batch, its draws
+        self.in_flight_rows: list[int] = []  # per scheduled chunk: its token was in flight
+
+    def pending(self) -> bool:
+        return self.prev is not None
+
+    def step(self):
+        prev, self.prev = self.prev, None
+        batch = self.sched.schedule()
+        if not batch:  # everything waits for an in-flight token
+            assert prev is not None, "empty batch with work left"
+            finished = self.sched.complete(*prev)
+            self.sched.check()
+            return finished
+        self.sched.check(batch)
+        device = {}  # id(seq) -> its in-flight token, as the device knows it
+        if prev is not None:
+            device = {id(seq): d.token for seq, d in zip(prev[0].sampled, prev[1], strict=True)}
+        for src, dst in batch.copies:
+            self.kv[dst * self.bs : (dst + 1) * self.bs] = self.kv[
+                src * self.bs : (src + 1) * self.bs
+            ]
+        draws = []
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            self.in_flight_rows.append(seq.num_in_flight)
+            for p in range(chunk.start, chunk.start + chunk.num_tokens):
+                token = seq.token_ids[p] if p < len(seq.token_ids) else device[id(seq)]
+                self.kv[seq.block_table[p // self.bs] * self.bs + p % self.bs] = (p, token)
+            self.computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                end = chunk.start + chunk.num_tokens
+                context = []
+                for p in range(end):
+                    entry = self.kv[seq.block_table[p // self.bs] * self.bs + p % self.bs]
+                    assert entry is not None and entry[0] == p, f"stale KV at position {p}"
+                    context.append(entry[1])
+                draws.extend(Draw(next_token(tuple(context), t.rng_key), 0.0) for t in seq.targets)
+        self.sampled_per_step.append(len(draws))
+        self.sched.launched(batch)
+        finished = self.sched.complete(*prev) if prev is not None else []
+        self.prev = (batch, draws)
+        self.sched.check()
+        return finished
+
 
 def outputs_fed_back(results) -> int:
     """Output tokens the runner computed: each sequence's outputs but its last (never fed back)."""
@@ -94,6 +150,7 @@ def run_all(
     budget=32,
     max_model_len=10_000,
     caching=True,
+    overlap=False,
 ):
     pool = BlockPool(num_blocks)
     cache = RadixCache(pool, block_size) if caching else NullCache(block_size)
@@ -103,12 +160,12 @@ def run_all(
         cache,
         eos_token_ids=(EOS,),
     )
-    runner = FakeRunner(sched, num_blocks, block_size)
+    runner = (OverlapRunner if overlap else FakeRunner)(sched, num_blocks, block_size)
     for r in requests:
         sched.add(r)
     results = {}
     steps = 0
-    while sched.has_work():
+    while sched.has_work() or runner.pending():
         for seq in runner.step():
             t = seq.targets[0]
             assert (t.row, t.sample_index) not in results
@@ -332,3 +389,81 @@ def test_check_rejects_block_copies_that_cannot_run_as_one_set():
         with pytest.raises(AssertionError, match="copied into twice|also a source"):
             sched.check(batch)
         batch.copies = good
+
+
+# -- overlapped steps: tokens in flight ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("num_blocks", [12, 40])
+@pytest.mark.parametrize("n", [1, 3])
+def test_overlapped_steps_match_reference_under_any_memory(caching, num_blocks, n):
+    """EOS may end a sample while the token after it is computed (then discarded); tight
+    memory preempts (never a sequence with a token in flight: ``_preempt`` asserts it)."""
+    rng = random.Random(num_blocks * 10 + n)
+    prefixes = [tuple(rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 14)))]
+    params = SamplingParams(n=n, max_tokens=12)
+    reqs = make_requests(rng, 20, n, params, prefixes)
+    results, sched, runner = run_all(reqs, num_blocks=num_blocks, caching=caching, overlap=True)
+    check_against_reference(reqs, results)
+    assert any(runner.in_flight_rows)  # rows ran ahead of their tokens
+    assert sched.num_discarded_tokens > 0
+    if num_blocks == 12:
+        assert sched.num_preemptions > 0
+
+
+def test_a_token_after_a_finish_is_discarded_and_a_foreseen_finish_costs_nothing():
+    """With memory and budget to spare every decode runs ahead: each sample that EOS ends
+    discards exactly one token, one that max_tokens ends (foreseen: retired at launch) none."""
+    rng = random.Random(5)
+    reqs = make_requests(rng, 24, 2, SamplingParams(n=2, max_tokens=6))
+    results, sched, _ = run_all(reqs, num_blocks=400, budget=1000, overlap=True)
+    check_against_reference(reqs, results)
+    # (an EOS drawn as the 6th token was foreseen too: max_tokens would end the sample there)
+    unforeseen = sum(len(s.output_ids) < 6 for s in results.values())
+    assert 0 < unforeseen < len(results)
+    assert sched.num_discarded_tokens == unforeseen
+
+
+def test_max_tokens_one_retires_at_launch():
+    pool = BlockPool(16)
+    sched = Scheduler(SchedulerConfig(4, 4, 64, 1000), pool, RadixCache(pool, 4))
+    runner = OverlapRunner(sched, 16, 4)
+    params = SamplingParams(n=2, max_tokens=1, ignore_eos=True)
+    sched.add(Request((3, 4, 5), params, (SampleTarget(0, 0, 1), SampleTarget(0, 1, 2))))
+    assert runner.step() == []  # launched: both children retired, their token in flight
+    assert not sched.running and sched.has_work() and pool.num_used == 0  # blocks freed
+    finished = runner.step()  # nothing to schedule: the tokens are read
+    assert [len(s.output_ids) for s in finished] == [1, 1]
+    assert {s.finish_reason for s in finished} == {FinishReason.LENGTH}
+    assert not sched.has_work() and sched.num_discarded_tokens == 0
+
+
+def test_check_covers_in_flight_tokens():
+    """check() rejects a second token in flight, an in-flight token in a waiting sequence, a
+    cached block holding an unknown token, and a grammar/penalty row run ahead of its token."""
+    pool = BlockPool(32)
+    sched = Scheduler(SchedulerConfig(4, 4, 64, 1000), pool, RadixCache(pool, 4))
+    runner = OverlapRunner(sched, 32, 4)
+    sched.add(Request((3, 4, 5, 6, 7), SamplingParams(max_tokens=20, ignore_eos=True),
+                      (SampleTarget(0, 0, 1),)))  # fmt: skip
+    runner.step()
+    (seq,) = sched.running
+    assert seq.num_in_flight == 1 and seq.num_computed == len(seq.token_ids) == 5
+    sched.check()
+    for corrupt, undo in [
+        (lambda: setattr(seq, "num_in_flight", 2), lambda: setattr(seq, "num_in_flight", 1)),
+        (lambda: setattr(seq, "num_computed", 4), lambda: setattr(seq, "num_computed", 5)),
+        (lambda: setattr(seq, "num_blocks_in_cache", 2), lambda: setattr(seq, "num_blocks_in_cache", 1)),
+    ]:  # fmt: skip
+        corrupt()
+        with pytest.raises(AssertionError):
+            sched.check()
+        undo()
+        sched.check()
+    batch = sched.schedule()
+    sched.check(batch)
+    seq.request = Request(seq.request.prompt_token_ids,
+                          SamplingParams(max_tokens=20, repetition_penalty=1.5), seq.targets)  # fmt: skip
+    with pytest.raises(AssertionError, match="waits for its token"):
+        sched.check(batch)

@@ -19,6 +19,8 @@ def test_upload_packs_and_never_aliases() -> None:
     (c,) = staging.upload(torch.int32, [[7, 8]])
     (d,) = staging.upload(torch.int32, [[9, 10]])
     assert c.tolist() == [7, 8] and d.tolist() == [9, 10] and c.dtype == torch.int32
+    (e,) = staging.upload(torch.float32, [[0.5, -2.25]])
+    assert e.tolist() == [0.5, -2.25] and e.dtype == torch.float32
 
 
 def test_staged_steps_equal_unstaged_ones(tiny_model, monkeypatch) -> None:
@@ -26,12 +28,13 @@ def test_staged_steps_equal_unstaged_ones(tiny_model, monkeypatch) -> None:
     compared = []
     real = batch_mod.build_step
 
-    def both(batch, block_size, device, staging=None):
+    def both(batch, block_size, device, staging=None, in_flight=None):
         assert staging is engine.staging
-        got = real(batch, block_size, device, staging)
-        want = real(batch, block_size, device)
-        for name in ("input_ids", "positions", "logits_indices"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        got = real(batch, block_size, device, staging, in_flight)
+        want = real(batch, block_size, device, in_flight=in_flight)
+        for name in ("input_ids", "positions", "logits_indices", "fill_rows", "fill_src"):
+            x, y = getattr(got, name), getattr(want, name)
+            assert (x is None and y is None) or torch.equal(x, y), name
         for name in ("slot_mapping", "block_tables", "cu_seqlens_q", "seq_lens"):
             x, y = getattr(got.meta, name), getattr(want.meta, name)
             assert x.dtype == y.dtype and torch.equal(x, y), name
@@ -68,3 +71,30 @@ def test_padded_decode_graph_steps_match_eager_ones(tiny_model) -> None:
     got = generate(engine, prompts, params)
     assert {k: r.token_ids for k, r in got.items()} == {k: r.token_ids for k, r in want.items()}
     assert used and any(n not in (1, 2, 4, 8) for n in used)  # some steps were padded
+
+
+def test_sampling_settings_through_staging_equal_direct_ones() -> None:
+    """SamplingBatch.from_rows with the engine's staging (one float32 and one int64 upload):
+    the same tensors as made one by one, row partitions included."""
+    import dataclasses
+
+    from batchgen.engine.sampler import SamplingBatch
+
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_k=5, min_p=0.1, presence_penalty=0.25),
+    ]
+    keys, positions = [11, 12, 13, 2**60], [3, 4, 5, 6]
+    prompts, outputs = [[1, 2], [3], [4, 5, 6], [7]], [[8], [], [9, 9], [10]]
+    args = (params, keys, positions, prompts, outputs, 32)
+    want = SamplingBatch.from_rows(*args)
+    got = SamplingBatch.from_rows(*args, staging=Staging(torch.device("cpu")))
+    for f in dataclasses.fields(SamplingBatch):
+        x, y = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(y, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
+    assert want.random_rows is not None and want.filtered_rows is not None

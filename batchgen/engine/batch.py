@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -17,16 +18,33 @@ class StepTensors:
     positions: torch.Tensor  # [T] int64: their positions in their sequences
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: row of hidden states to sample, once per target
+    # Rows of ``input_ids`` whose token is in flight (sampled by the previous step, not known to
+    # the host: a placeholder 0 until ``fill_pending``) and, for each, its row in that step's
+    # sampled tokens. [F] int64 each; None when no token is in flight.
+    fill_rows: torch.Tensor | None = None
+    fill_src: torch.Tensor | None = None
+
+    def fill_pending(self, prev_tokens: torch.Tensor) -> None:
+        """Put the in-flight tokens in place, on the device: ``prev_tokens`` [S'] int64 are the
+        previous step's sampled tokens (queued before this, so stream order makes them ready)."""
+        if self.fill_rows is not None:
+            assert self.fill_src is not None
+            self.input_ids[self.fill_rows] = prev_tokens[self.fill_src]
 
 
 def build_step(
-    batch: Batch, block_size: int, device: torch.device, staging: Staging | None = None
+    batch: Batch,
+    block_size: int,
+    device: torch.device,
+    staging: Staging | None = None,
+    in_flight: Mapping[int, int] | None = None,
 ) -> StepTensors:
     """The step's tensors. Sequences are laid out decodes (one new token) first, so attention
     can launch them apart (``meta.num_decodes``); ``logits_indices`` stays in the order of
     ``batch.chunks``, which is the order the sampler's rows follow. With ``staging`` the
     integer tensors are uploaded packed, two copies in all (the engine's way); without, one by
-    one (the same values)."""
+    one (the same values). ``in_flight`` maps ``id(seq)`` to the row of the previous step's
+    sampled tokens for every sequence whose newest token is in flight (see ``fill_pending``)."""
     input_ids: list[int] = []
     positions: list[int] = []
     seq_lens: list[int] = []
@@ -35,11 +53,19 @@ def build_step(
     decodes = [i for i, c in enumerate(batch.chunks) if c.num_tokens == 1]
     layout = decodes + [i for i, c in enumerate(batch.chunks) if c.num_tokens != 1]
     last_row = [0] * len(batch.chunks)  # chunk index -> row of its last new token
+    fill_rows: list[int] = []
+    fill_src: list[int] = []
     for i in layout:
         chunk = batch.chunks[i]
         seq = chunk.seq
         end = chunk.start + chunk.num_tokens
-        input_ids.extend(seq.token_ids[chunk.start : end])
+        if end > len(seq.token_ids):  # a decode of the in-flight token (Scheduler.check)
+            assert in_flight is not None and chunk.start == len(seq.token_ids) == end - 1
+            fill_rows.append(len(input_ids))
+            fill_src.append(in_flight[id(seq)])
+            input_ids.append(0)
+        else:
+            input_ids.extend(seq.token_ids[chunk.start : end])
         positions.extend(range(chunk.start, end))
         seq_lens.append(end)
         cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
@@ -54,7 +80,8 @@ def build_step(
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
     if staging is not None:
         return _staged(staging, input_ids, positions, padded, cu_seqlens, seq_lens,
-                       logits_indices, layout, batch, block_size, max_blocks)  # fmt: skip
+                       logits_indices, layout, batch, block_size, max_blocks,
+                       fill_rows, fill_src)  # fmt: skip
     block_tables = torch.tensor(padded, dtype=torch.int32)  # [B, max_blocks]
     pos = torch.tensor(positions, dtype=torch.int64)  # [T]
     q_lens = torch.tensor([batch.chunks[i].num_tokens for i in layout], dtype=torch.int64)
@@ -72,11 +99,18 @@ def build_step(
         max_seqlen_k=max(seq_lens),
         num_decodes=len(decodes),
     )
+    fills = (None, None)
+    if fill_rows:
+        fills = tuple(
+            torch.tensor(x, dtype=torch.int64, device=device) for x in (fill_rows, fill_src)
+        )
     return StepTensors(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=pos.to(device),
         meta=meta,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        fill_rows=fills[0],
+        fill_src=fills[1],
     )
 
 
@@ -92,6 +126,8 @@ def _staged(
     batch: Batch,
     block_size: int,
     max_blocks: int,
+    fill_rows: list[int],
+    fill_src: list[int],
 ) -> StepTensors:
     """``build_step`` through ``staging``: slots computed on the host, one int64 and one int32
     upload."""
@@ -100,8 +136,8 @@ def _staged(
         chunk = batch.chunks[i]
         for p in range(chunk.start, chunk.start + chunk.num_tokens):
             slots.append(row[p // block_size] * block_size + p % block_size)
-    ids_t, pos_t, slots_t, logits_t = staging.upload(
-        torch.int64, [input_ids, positions, slots, logits_indices]
+    ids_t, pos_t, slots_t, logits_t, fill_rows_t, fill_src_t = staging.upload(
+        torch.int64, [input_ids, positions, slots, logits_indices, fill_rows, fill_src]
     )
     tables_t, cu_t, lens_t = staging.upload(
         torch.int32, [[b for row in padded for b in row], cu_seqlens, seq_lens]
@@ -116,4 +152,11 @@ def _staged(
         max_seqlen_k=max(seq_lens),
         num_decodes=sum(n == 1 for n in q_lens),
     )
-    return StepTensors(input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t)
+    return StepTensors(
+        input_ids=ids_t,
+        positions=pos_t,
+        meta=meta,
+        logits_indices=logits_t,
+        fill_rows=fill_rows_t if fill_rows else None,
+        fill_src=fill_src_t if fill_rows else None,
+    )

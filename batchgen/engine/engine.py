@@ -1,10 +1,20 @@
-"""The engine loop: schedule -> run the model -> sample -> update -> finished samples."""
+"""The engine loop: schedule -> run the model -> sample -> update -> finished samples.
+
+Overlapped steps (``EngineConfig.overlap``). Reading a step's sampled tokens back waits for the
+device; without overlap the device then idles while the host updates, schedules and builds the
+next step. With overlap each ``step()`` launches step N+1 *before* reading step N's tokens: the
+scheduler records step N as launched (its tokens in flight), schedules step N+1, whose decode
+rows of in-flight tokens get their input ids on the device from step N's sampled-token tensor
+(``StepTensors.fill_pending``); only then are step N's tokens read back (pinned, double-buffered
+on CUDA: ``staging.Readback``) and the scheduler completes step N. The outputs are the same;
+see ``scheduler`` for what in-flight tokens change (rows that wait, discarded tokens).
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +28,7 @@ from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import Request, SampleResult, Sequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
-from batchgen.engine.staging import Staging
+from batchgen.engine.staging import PendingReadback, Readback, Staging
 from batchgen.engine.stop import StopStrings
 from batchgen.model import cpu_kernels
 from batchgen.model.config import ModelInfo
@@ -34,6 +44,7 @@ class EngineConfig:
     prefix_caching: bool = True
     attention_backend: str = "torch"  # "torch" | "triton": also picks the block-copy function
     cuda_graphs: bool = False  # decode-only steps from CUDA graphs (needs CUDA and triton)
+    overlap: bool = False  # launch each step before reading the previous one's tokens back
 
 
 @dataclass
@@ -46,11 +57,23 @@ class EngineStats:
     mask_seconds: float = 0.0  # filling and applying structured-output masks
     constrained_samples: int = 0  # finished samples that followed a grammar
     complete_samples: int = 0  # of those, the ones whose output is complete for the grammar
+    overlapped_steps: int = 0  # steps launched before the previous step's tokens were read
+    discarded_tokens: int = 0  # drawn after a token that turned out to finish its sample
 
     @property
     def waste(self) -> float:
         """Internal fragmentation of the paged pool, averaged over steps."""
         return self.unused_slots / self.allocated_slots if self.allocated_slots else 0.0
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose sampled tokens the host has not read yet."""
+
+    batch: Batch  # scheduler.launched() has run: batch.sampled names each row's sequence
+    tokens: torch.Tensor | None  # [S] int64 on the device (None: nothing sampled)
+    readback: PendingReadback | None
+    rows: dict[int, int] = field(default_factory=dict)  # id(seq) -> row of tokens (in flight)
 
 
 class Engine:
@@ -114,6 +137,8 @@ class Engine:
         self.num_heads = info.num_heads
         self.dtype = dtype  # of activations and queries (the cache's may differ: kv_dtype)
         self.staging = Staging(device)
+        self.readback = Readback(device)
+        self._in_flight: _Launched | None = None  # the launched step not yet completed
         if config.attention_backend == "triton" and device.type == "cuda":
             self.warm_up()
         self.graphs: DecodeGraphs | None = None
@@ -147,7 +172,7 @@ class Engine:
         self.scheduler.add(request)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     @property
     def num_waiting_targets(self) -> int:
@@ -160,40 +185,86 @@ class Engine:
 
     @torch.inference_mode()
     def _step(self) -> list[SampleResult]:
+        results = self._overlapped_step()
+        if self.check_invariants:
+            self.scheduler.check()
+        return results
+
+    def _overlapped_step(self) -> list[SampleResult]:
+        """Schedule and launch a step, then complete the step before it (overlap) or this one."""
+        prev, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule()
-        assert batch, "scheduler produced an empty batch while work remains"
+        if not batch:
+            # Everything schedulable waits for an in-flight token (or for blocks it holds).
+            assert prev is not None, "scheduler produced an empty batch while work remains"
+            return self._complete(prev)
         if self.check_invariants:
             self.scheduler.check(batch)
+        launched = self._launch(batch, prev)
+        self.scheduler.launched(batch)
+        launched.rows = {id(seq): row for row, seq in enumerate(batch.sampled)}
+        results: list[SampleResult] = []
+        if prev is not None:
+            self.stats.overlapped_steps += 1
+            results = self._complete(prev)  # waits for prev's tokens while this step runs
+        if self.config.overlap:
+            self._in_flight = launched
+        else:
+            results = self._complete(launched)
+        return results
+
+    def _launch(self, batch: Batch, prev: _Launched | None) -> _Launched:
+        """Queue ``batch``'s block copies, forward pass and draw; ``prev``: the step before it
+        when its tokens are still in flight (the fill source of this step's decodes)."""
         if batch.copies:
             src, dst = zip(*batch.copies, strict=True)
-            src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
-            dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
+            src_t, dst_t = self.staging.upload(torch.int64, [src, dst])
             self.copy_blocks(self.kv_cache, src_t, dst_t)
             if self.kv_scales is not None:  # a copied block keeps its tokens' scales
                 self.copy_blocks(self.kv_scales, src_t, dst_t)
-        step = build_step(batch, self.config.block_size, self.device, self.staging)
-        draws: list[list[Draw]] = []
+        rows = prev.rows if prev is not None else None
+        step = build_step(batch, self.config.block_size, self.device, self.staging, rows)
+        if step.fill_rows is not None:
+            assert prev is not None and prev.tokens is not None
+            step.fill_pending(prev.tokens)
         if self.graphs is not None and self.graphs.supports(step):
             hidden = self.graphs.run(step)
         else:
             # the quantized cache's scales go with it (models of float caches never see them)
             scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta, **scales)
-        if len(step.logits_indices):
-            logits = self.model.compute_logits(hidden[step.logits_indices])
-            draws = self._sample(batch, logits)
-            self.stats.sampled_tokens += len(step.logits_indices)
         self._account(batch)
-        finished = self.scheduler.update(batch, draws)
-        if self.check_invariants:
-            self.scheduler.check()
+        if not len(step.logits_indices):
+            return _Launched(batch, None, None)
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        tokens, logprobs = self._sample(batch, logits)
+        return _Launched(batch, tokens, self.readback.start(tokens, logprobs))
+
+    def _complete(self, launched: _Launched) -> list[SampleResult]:
+        """Read ``launched``'s tokens back and let the scheduler record them; the samples that
+        finished."""
+        draws: list[Draw] = []
+        if launched.readback is not None:
+            tokens, logprobs = launched.readback.result()
+            # Draw.logprob is read only for samples that asked for logprobs
+            lps = logprobs if logprobs is not None else [0.0] * len(tokens)
+            draws = [Draw(t, lp) for t, lp in zip(tokens, lps, strict=True)]
+        discarded = self.scheduler.num_discarded_tokens
+        finished = self.scheduler.complete(launched.batch, draws)
+        discarded = self.scheduler.num_discarded_tokens - discarded
+        self.stats.discarded_tokens += discarded
+        self.stats.sampled_tokens += len(draws) - discarded
         results = [self._result(seq) for seq in finished]
         for res in results:
             self.stats.constrained_samples += res.constrained
             self.stats.complete_samples += res.complete
         return results
 
-    def _sample(self, batch: Batch, logits: torch.Tensor) -> list[list[Draw]]:
+    def _sample(
+        self, batch: Batch, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draw the step's tokens on the device: [S] int64 and their logprobs ([S] float32, or
+        None when no sample asks for them), rows in the order of ``batch.chunks``' targets."""
         params, keys, positions, seqs = [], [], [], []
         for chunk in batch.chunks:
             if not chunk.samples:
@@ -202,8 +273,10 @@ class Engine:
             for target in seq.targets:
                 params.append(seq.params)
                 keys.append(target.rng_key)
-                positions.append(len(seq.token_ids))
+                positions.append(seq.num_tokens)  # the drawn token's index (after in-flight ones)
                 seqs.append(seq)
+        # Rows with penalties or a grammar never have a token in flight (Scheduler: they wait
+        # for it), so their history and grammar state are complete here.
         needs_history = any(
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             for p in params
@@ -211,8 +284,9 @@ class Engine:
         prompt_ids = [s.token_ids[: s.num_prompt_tokens] for s in seqs] if needs_history else None
         output_ids = [s.output_ids for s in seqs] if needs_history else None
         rows = SamplingBatch.from_rows(
-            params, keys, positions, prompt_ids, output_ids, self.vocab_size, logits.device
-        )
+            params, keys, positions, prompt_ids, output_ids, self.vocab_size, logits.device,
+            staging=self.staging,
+        )  # fmt: skip
         if any(s.constraint is not None for s in seqs):
             # Before forking, a sequence's targets share its grammar state (no token yet).
             start = time.perf_counter()
@@ -221,22 +295,7 @@ class Engine:
             self.stats.mask_seconds += time.perf_counter() - start
         want_logprobs = any(p.logprobs for p in params)
         out = sample(logits, rows, logprobs=want_logprobs, kernels=self.sampler_kernels)
-        tokens = out.tokens.tolist()
-        # Draw.logprob is read only for samples that asked for logprobs
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else [0.0] * len(tokens)
-        draws: list[list[Draw]] = []
-        i = 0
-        for chunk in batch.chunks:
-            if chunk.samples:
-                k = len(chunk.seq.targets)
-                draws.append(
-                    [
-                        Draw(t, lp)
-                        for t, lp in zip(tokens[i : i + k], logprobs[i : i + k], strict=True)
-                    ]
-                )
-                i += k
-        return draws
+        return out.tokens, out.logprobs
 
     def _account(self, batch: Batch) -> None:
         bs = self.config.block_size

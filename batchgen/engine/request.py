@@ -121,6 +121,12 @@ class Sequence:
     targets that fit and names the waiting rest (``rest``; the rest ``waits_for`` it); when the
     part's prompt is computed, the rest is *parked*: it waits holding the KV of all prompt tokens
     but the last (``num_computed == num_prompt_tokens - 1``), which it computes once admitted.
+
+    Overlapped steps (``engine.overlap``): a token sampled on the device but not yet read back is
+    *in flight*; ``token_ids`` holds the known tokens only and ``num_in_flight`` counts the rest
+    (``num_tokens`` is both). While a token is in flight every known token has been computed
+    (``num_computed == len(token_ids)``); the next step may compute the in-flight token, its input
+    id filled on the device from the step that sampled it.
     """
 
     request: Request
@@ -141,6 +147,14 @@ class Sequence:
     # The grammar state after the tokens so far (the request has a grammar); forked with the
     # sequence, kept through preemption (the tokens it consumed are kept too).
     constraint: Constraint | None = None
+    # Tokens sampled on the device, not yet known to the host (0, or 1 between steps; 2 briefly
+    # while a step has been launched and the one before it not yet completed).
+    num_in_flight: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Known and in-flight tokens: the length of the sequence on the device."""
+        return len(self.token_ids) + self.num_in_flight
 
     @property
     def params(self) -> SamplingParams:

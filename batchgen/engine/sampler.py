@@ -38,6 +38,7 @@ from batchgen.engine.noise import (
     row_state,
 )
 from batchgen.engine.request import SamplingParams
+from batchgen.engine.staging import Staging
 
 # ---------------------------------------------------------------------------------------------
 # The per-step batch of sampling settings
@@ -118,8 +119,10 @@ class SamplingBatch:
         output_ids: list[Sequence[int]] | None,
         vocab_size: int,
         device: torch.device | str = "cpu",
+        staging: Staging | None = None,
     ) -> SamplingBatch:
-        """Pack per-sample settings into tensors on ``device`` (a few host-to-device copies).
+        """Pack per-sample settings into tensors on ``device`` (a few host-to-device copies;
+        with ``staging``, the engine's, two packed asynchronous ones, and the penalties' ids).
 
         ``prompt_ids`` / ``output_ids`` (the sample's prompt and its tokens so far) are read only
         when some row has a penalty; they may be None otherwise.
@@ -140,20 +143,35 @@ class SamplingBatch:
         any_additive = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
         any_penalty = any_repetition or any_additive
 
-        floats = torch.tensor(
-            [
-                [p.temperature for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-                [p.repetition_penalty for p in params],
-                [p.presence_penalty for p in params],
-                [p.frequency_penalty for p in params],
-            ],
-            dtype=torch.float32,
-        ).to(device)  # [6, S]
-        ints = torch.tensor(
-            [[p.top_k for p in params], list(rng_keys), list(positions)], dtype=torch.int64
-        ).to(device)  # [3, S]
+        float_rows = [
+            [p.temperature for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            [p.repetition_penalty for p in params],
+            [p.presence_penalty for p in params],
+            [p.frequency_penalty for p in params],
+        ]
+        int_rows = [[p.top_k for p in params], list(rng_keys), list(positions)]
+        filtered_sub = [j for j, f in enumerate(filtered) if f]
+        plain_sub = [j for j, f in enumerate(filtered) if not f]
+        # Row partitions: None when the part is every row of its parent.
+        parts = [
+            (random_rows, n),
+            (filtered_sub, len(random_rows)),
+            (plain_sub, len(random_rows)),
+        ]
+        if staging is not None:
+            chain = itertools.chain.from_iterable
+            (floats,) = staging.upload(torch.float32, [list(chain(float_rows))])
+            floats = floats.view(len(float_rows), n)  # [6, S]
+            indexed = [rows for rows, total in parts if len(rows) != total]
+            ints, *index_t = staging.upload(torch.int64, [list(chain(int_rows)), *indexed])
+            ints = ints.view(len(int_rows), n)  # [3, S]
+            row_sets = [index_t.pop(0) if len(rows) != total else None for rows, total in parts]
+        else:
+            floats = torch.tensor(float_rows, dtype=torch.float32).to(device)  # [6, S]
+            ints = torch.tensor(int_rows, dtype=torch.int64).to(device)  # [3, S]
+            row_sets = [_index_or_none(rows, total, device) for rows, total in parts]
 
         prompt_t = output_t = None
         if any_penalty:
@@ -165,8 +183,6 @@ class SamplingBatch:
             if any_repetition:
                 prompt_t = _pad_ids(prompt_ids, vocab_size).to(device)
 
-        filtered_sub = [j for j, f in enumerate(filtered) if f]
-        plain_sub = [j for j, f in enumerate(filtered) if not f]
         width = None
         if all(uses_top_k[j] for j in filtered_sub):
             width = max((params[random_rows[j]].top_k for j in filtered_sub), default=None)
@@ -191,9 +207,9 @@ class SamplingBatch:
             any_top_k=any(uses_top_k),
             any_top_p=any(uses_top_p),
             any_min_p=any(uses_min_p),
-            random_rows=_index_or_none(random_rows, n, device),
-            filtered_rows=_index_or_none(filtered_sub, len(random_rows), device),
-            plain_rows=_index_or_none(plain_sub, len(random_rows), device),
+            random_rows=row_sets[0],
+            filtered_rows=row_sets[1],
+            plain_rows=row_sets[2],
             any_filtered=bool(filtered_sub),
             any_plain=bool(plain_sub),
             candidate_width=width,

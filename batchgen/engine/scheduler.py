@@ -9,7 +9,17 @@ one sequence per target when its prompt is done; no step samples more than ``max
 sequences: a request with more targets than free slots is split, and the later parts reuse the
 prompt's KV (see ``Sequence``). No torch here: the scheduler is plain data.
 
-One noun in one file (about 530 lines): admission, the token budget, forks, parking and
+Overlapped steps (``engine.overlap``). A step is recorded in two halves: ``launched`` once its
+forward pass and draw are queued on the device (the KV of its chunks counts as computed, its
+sampled tokens are *in flight*, forks and parking happen), ``complete`` once its tokens are read
+back (tokens appended, finish reasons). Between the two the engine may schedule and launch the
+next step: a sequence whose token is in flight computes it (its input id filled on the device)
+and samples the one after. If the in-flight token finishes the sequence (EOS, a stop string), the
+token drawn after it is discarded (``num_discarded_tokens``). A sequence the in-flight token
+finishes for sure (max_tokens, max_model_len) is retired at ``launched``: not scheduled again,
+its blocks freed as they would be without overlap. ``update`` is both halves at once.
+
+One noun in one file (about 640 lines): admission, the token budget, forks, parking and
 preemption share the block accounting that ``check`` asserts, and split apart they would each
 have to re-derive it.
 """
@@ -44,17 +54,20 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens ``seq.token_ids[start : start + num_tokens]`` are computed this step."""
+    """Tokens ``start .. start + num_tokens`` of ``seq`` are computed this step (all known, but a
+    decode's one token may be in flight: ``start == len(seq.token_ids)``)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    # Whether this chunk reaches the end of the sequence (known and in-flight tokens) when it is
+    # made, so its last token's logits are sampled (once per target of the sequence). Fixed
+    # then: the sequence grows once the step is launched.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so its last token's logits are
-        sampled (once per target of the sequence)."""
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+    def __post_init__(self) -> None:
+        end = self.start + self.num_tokens
+        object.__setattr__(self, "samples", end == self.seq.num_tokens)
 
 
 @dataclass
@@ -68,6 +81,9 @@ class Batch:
     # them): no source is freed, and so reused as a destination, while the batch is scheduled.
     held: list[int] = field(default_factory=list)
     _holds: dict[int, int] = field(default_factory=dict, repr=False)  # block -> count in held
+    # Set by ``Scheduler.launched``: the sequence of each sampled row, in row order (the rows of
+    # a sampling chunk, one per target, become the forked children's).
+    sampled: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +135,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_discarded_tokens = 0  # drawn after an in-flight token that finished its sequence
+        # Sequences whose in-flight token finishes them for sure: out of ``running``, no blocks;
+        # ``complete`` gives them their last token. id -> sequence.
+        self._retired: dict[int, Sequence] = {}
         self.num_evicted_blocks = 0
         self.peak_blocks_used = 0
         self.peak_num_seqs = 0  # the most sequences sampled in one step
@@ -140,7 +160,7 @@ class Scheduler:
         )
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._retired)
 
     @property
     def num_waiting_targets(self) -> int:
@@ -153,13 +173,22 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted = False
 
-        # 1. Running sequences, oldest first; victims of preemption are taken from the end.
+        # 1. Running sequences, oldest first; victims of preemption are taken from the end. A
+        # sequence whose token is in flight is never preempted (that token would be lost): when
+        # the newest one is in flight, nothing is preempted and nothing more is scheduled this
+        # step (the token is known after it, and the sequence can be preempted then).
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            if seq.num_in_flight and not self._may_run_ahead(seq):
+                i += 1  # waits a step for its token
+                continue
+            n = min(seq.num_tokens - seq.num_computed, budget)
             while not self._reserve(seq, n, batch):
                 victim = self.running[-1]
+                if victim.num_in_flight:
+                    preempted = True  # no admissions either: blocks are short
+                    break
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -189,6 +218,18 @@ class Scheduler:
         sampled = sum(len(c.seq.targets) for c in batch.chunks if c.samples)
         self.peak_num_seqs = max(self.peak_num_seqs, sampled)
         return batch
+
+    @staticmethod
+    def _may_run_ahead(seq: Sequence) -> bool:
+        """Whether running ``seq``, whose newest token is in flight, may be scheduled before that
+        token is known. Not when sampling it reads that token on the host: a grammar state must
+        consume it before the next mask is made, and repetition/presence/frequency penalties
+        count the tokens so far. Such rows wait for their token: with overlapped steps they run
+        every other step. (Stop strings need no wait: a stop found late discards one token.)"""
+        p = seq.params
+        return seq.constraint is None and (
+            p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+        )
 
     def _admit_next(self, seq: Sequence, free: int, budget: int, batch: Batch) -> Sequence | None:
         """Admit ``seq``, the head of the queue, or a new part of it with ``free`` of its targets
@@ -379,6 +420,7 @@ class Scheduler:
         return False
 
     def _preempt(self, seq: Sequence) -> None:
+        assert not seq.num_in_flight, "preempting a sequence whose token is in flight"
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = 0
@@ -395,41 +437,77 @@ class Scheduler:
     # -- after the forward pass ------------------------------------------------------------------
 
     def update(self, batch: Batch, draws: list[list[Draw]]) -> list[Sequence]:
-        """Record the computed chunks and the sampled tokens; return the sequences that finished.
+        """Record the computed chunks and the sampled tokens; return the sequences that finished
+        (``launched`` and ``complete`` at once: steps that do not overlap).
 
         ``draws`` has one list per sampling chunk of ``batch`` (in order), with one Draw per
         target of that chunk's sequence.
         """
-        self.pool.decref(batch.release_held())  # the copies have run
-        finished: list[Sequence] = []
-        sampled = iter(draws)
+        self.launched(batch)
+        return self.complete(batch, [d for chunk_draws in draws for d in chunk_draws])
+
+    def launched(self, batch: Batch) -> None:
+        """``batch``'s step is on the device: its chunks' KV counts as computed and each sampled
+        row's token is in flight (``batch.sampled`` lists the rows' sequences). Sequences whose
+        prompt ended fork, rests waiting for them park, and sequences the in-flight token
+        finishes for sure are retired (their blocks freed now, as without overlap)."""
+        # The copies are queued before any later step's work, which may reuse their sources.
+        self.pool.decref(batch.release_held())
         for chunk in batch.chunks:
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
             self._cache_full_blocks(seq)
             if not chunk.samples:
                 continue
-            seq_draws = next(sampled)
             if seq.rest is not None:
                 self._park(seq.rest, seq)
                 seq.rest = None
-            for child, draw in zip(self._fork(seq), seq_draws, strict=True):
-                child.token_ids.append(draw.token)
-                if child.constraint is not None:
-                    child.constraint.consume(draw.token)
-                if child.params.logprobs:
-                    child.token_logprobs.append(draw.logprob)
-                reason = self._finish_reason(child, draw.token)
-                if reason is not None:
-                    self.finish(child, reason)
-                    finished.append(child)
+            # Forked before the tokens are known: each child's token is its own row's draw.
+            for child in self._fork(seq):
+                child.num_in_flight += 1
+                batch.sampled.append(child)
+                if self._surely_finishes(child):
+                    self.running.remove(child)
+                    self._release(child)
+                    self._retired[id(child)] = child
+
+    def _surely_finishes(self, seq: Sequence) -> bool:
+        """The in-flight tokens reach max_tokens or max_model_len (whatever they are)."""
+        return (
+            seq.num_output_tokens + seq.num_in_flight >= seq.params.max_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        )
+
+    def complete(self, batch: Batch, draws: list[Draw]) -> list[Sequence]:
+        """Record the tokens of launched ``batch`` (one Draw per ``batch.sampled`` row); return
+        the sequences that finished. A row whose sequence finished before (its previous token
+        was its last) is discarded."""
+        finished: list[Sequence] = []
+        for seq, draw in zip(batch.sampled, draws, strict=True):
+            if seq.finish_reason is not None:
+                self.num_discarded_tokens += 1
+                continue
+            seq.num_in_flight -= 1
+            seq.token_ids.append(draw.token)
+            if seq.constraint is not None:
+                seq.constraint.consume(draw.token)
+            if seq.params.logprobs:
+                seq.token_logprobs.append(draw.logprob)
+            reason = self._finish_reason(seq, draw.token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+            elif id(seq) not in self._retired:  # (a retired one holds no blocks)
+                self._cache_full_blocks(seq)  # blocks completed by a once in-flight token
         return finished
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire a running sequence."""
+        """Retire a running (or retired) sequence; a token still in flight will be discarded."""
         seq.finish_reason = reason
-        self.running.remove(seq)
-        self._release(seq)
+        seq.num_in_flight = 0
+        if self._retired.pop(id(seq), None) is None:
+            self.running.remove(seq)
+            self._release(seq)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """Split a sequence that stands for several targets into one per target; the children
@@ -446,8 +524,9 @@ class Scheduler:
         return children
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
-        """Insert newly completed blocks into the prefix cache and move the lock to them."""
-        full = seq.num_computed // self.config.block_size
+        """Insert newly completed blocks into the prefix cache and move the lock to them: blocks
+        of computed and known tokens (an in-flight token's id is not known yet)."""
+        full = min(seq.num_computed, len(seq.token_ids)) // self.config.block_size
         if full <= seq.num_blocks_in_cache:
             return
         handle = self.cache.insert(
@@ -494,7 +573,13 @@ class Scheduler:
         refcounts equal to the number of holders; and the batch's block copies can run as one
         unordered set (destinations distinct, none of them a source, every source held).
 
-        Call it after ``update``, or after ``schedule`` with the batch it returned.
+        In-flight tokens: at most one per sequence, only in running (or retired) sequences that
+        have computed every known token and cached no block holding an unknown one; a running
+        one is scheduled only as a one-token decode of that token, and only if its sampling does
+        not wait for it (``_may_run_ahead``); a retired one holds nothing.
+
+        Call it after ``update`` or ``complete``, or after ``schedule`` with the batch it
+        returned.
         """
         self.pool.check()
         self.cache.check()
@@ -509,16 +594,30 @@ class Scheduler:
             assert set(sources) <= set(batch.held), "a copy source is not held by the batch"
             running = {id(seq) for seq in self.running}
             assert all(id(c.seq) in running for c in batch.chunks)
+            for c in batch.chunks:
+                assert len(c.seq.block_table) * self.config.block_size >= c.start + c.num_tokens
+                if c.seq.num_in_flight:
+                    assert c.start == len(c.seq.token_ids) and c.num_tokens == 1, c
+                    assert self._may_run_ahead(c.seq), "a row that waits for its token ran"
             for b in batch.held:
                 holders[b] += 1
+        bs = self.config.block_size
         for seq in self.running:
-            bs = self.config.block_size
             assert len(seq.block_table) * bs >= seq.num_computed
+            assert seq.finish_reason is None and 0 <= seq.num_in_flight <= 1
+            assert seq.num_blocks_in_cache * bs <= len(seq.token_ids), "unknown token cached"
+            if seq.num_in_flight:
+                assert seq.forked and seq.num_computed == len(seq.token_ids), "in flight"
             for b in seq.block_table:
                 holders[b] += 1
         assert sum(len(s.targets) for s in self.running) <= self.config.max_num_seqs
+        for seq in self._retired.values():
+            assert seq.num_in_flight == 1 and seq.finish_reason is None
+            assert not seq.block_table and seq.cache_handle is self._root
+            assert all(seq is not r for r in self.running)
         parked = 0
         for seq in self.waiting:
+            assert seq.num_in_flight == 0 and seq.finish_reason is None
             if seq.waits_for is not None:
                 assert seq.waits_for.rest is seq and seq.num_computed == 0
             if seq.num_computed == 0:

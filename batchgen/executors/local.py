@@ -225,6 +225,10 @@ class RowGenerator:
             "evicted_kv_blocks": scheduler.num_evicted_blocks,
             "kv_waste": round(stats.waste, 4),
             "engine_steps": stats.steps,
+            # engine.overlap: steps launched before the previous step's tokens were read back,
+            # and tokens drawn after a token that ended its sample (computed for nothing)
+            "overlapped_steps": stats.overlapped_steps,
+            "discarded_tokens": stats.discarded_tokens,
             "device": str(self.place.device),
             "dtype": self.place.dtype_name,
             "dtype_reason": self.place.dtype_reason,

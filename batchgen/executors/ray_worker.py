@@ -112,6 +112,8 @@ class Worker:
             "constrained_samples": engine.stats.constrained_samples,
             "complete_samples": engine.stats.complete_samples,
             "mask_s": engine.stats.mask_seconds,
+            "overlapped_steps": engine.stats.overlapped_steps,
+            "discarded_tokens": engine.stats.discarded_tokens,
         }
         delta = {k: v - self.reported.get(k, 0) for k, v in now.items()}
         self.reported = now
