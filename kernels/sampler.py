@@ -198,7 +198,13 @@ def _later_cut(bits_a, rid_a, bits_b, rid_b):
     return tl.where(a_later, bits_a, bits_b), tl.where(a_later, rid_a, rid_b)
 
 
-@triton.jit
+# The per-row settings are often views into one packed [6, S] tensor, 16-byte aligned or not
+# depending on S: their alignment is not specialised (scalar loads gain nothing from it).
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "state_ptr"
+    ]
+)  # fmt: skip
 def _filtered_draw_kernel(
     logits_ptr,  # [R, V] float32, unit inner stride
     temperature_ptr,  # [R] float32, > 0

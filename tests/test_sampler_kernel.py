@@ -11,7 +11,7 @@ import torch
 
 from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels, row_state, uniform_at
 from batchgen.engine.sampler import _draw_plain, sample
-from tests.devices import kernel_device
+from tests.devices import GPU_SESSION, kernel_device
 from tests.test_sampler import make_batch
 
 pytestmark = pytest.mark.kernel
@@ -285,6 +285,25 @@ def test_filtered_kept_set_and_tokens_match_the_formula(vocab: int, num_rows: in
     picked = tokens[:, None]
     assert bool(kept.gather(1, picked).all())
     assert bool(rows["logits"].gather(1, picked).isfinite().all())
+
+
+def test_filtered_kernel_compiles_one_variant_for_any_batch() -> None:
+    """sample()'s launches for steps of 1, 2, 3 and 6 filtered rows (settings at offsets of
+    every alignment in the packed per-row tensors) are one compiled variant."""
+    if GPU_SESSION:
+        pytest.skip("the interpreter's launches are what is counted")
+    from batchgen.engine.request import SamplingParams
+    from batchgen.kernels import sampler as kernel_module
+    from tests.triton_variants import VariantCounter
+
+    vocab = 37
+    with VariantCounter(kernel_module._filtered_draw_kernel) as counter:
+        for rows in (1, 2, 3, 6):
+            params = [SamplingParams(top_k=5, top_p=0.9, min_p=0.01)] * rows
+            logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows))
+            batch = make_batch(params, vocab, device=DEVICE.type)
+            sample(logits.to(DEVICE), batch, logprobs=False, kernels=kernels())
+    assert counter.count(kernel_module._filtered_draw_kernel) == 1, counter.keys
 
 
 def test_filtered_kernel_cuts_ties_by_id() -> None:
