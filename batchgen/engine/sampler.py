@@ -13,6 +13,9 @@ Filtering without sorting the vocabulary. Top-k, top-p and min-p each keep a pre
 the order (probability descending, vocab id ascending): a total order, so ties are broken the same
 way everywhere. The filtered path ranks only a candidate prefix that provably contains every token
 that can survive (``topk`` on a tie-free integer key), and hashes noise only for those candidates.
+A native ``SamplerKernels.filtered_draw`` (Triton, on CUDA) finds the same prefixes without
+ranking, by searching each cut's probability value (then its vocab id among equal values), and
+races over the kept tokens in the same pass as their noise.
 
 Row-wise invariance. A row's result never depends on the other rows: the maths uses elementwise
 ops, row kernels (``softmax``, ``log_softmax``), exact reductions (``argmax``, ``amax``, integer
