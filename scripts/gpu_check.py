@@ -22,7 +22,8 @@ informative) and its figures. Checks:
   seeded fp32 with stop tokens that end samples early), the run times, steps launched ahead and
   tokens discarded.
 - ``sampler``: the Triton sampler kernels on a 152k vocabulary: noise bit-identical to the
-  formula, tokens equal, both timed.
+  formula, tokens equal, both timed; the filtered draw (top-k / top-p / min-p, bf16 logits: many
+  exact ties) against the formula's kept sets and tokens, both timed.
 
 Everything runs from a checkout: ``batchgen`` must be importable with ``batchgen.kernels``
 (gpu_check.sh lays out such a copy).
@@ -390,7 +391,7 @@ def triton_variants(device: Any) -> dict:
         ("attention", ("_paged_attention_kernel", "_merge_splits_kernel")),
         ("kv_store", ("_store_kv_kernel",)),
         ("block_copy", ("_copy_blocks_kernel",)),
-        ("sampler", ("_uniform_noise_kernel", "_race_draw_kernel")),
+        ("sampler", ("_uniform_noise_kernel", "_race_draw_kernel", "_filtered_draw_kernel")),
     ):
         mod = importlib.import_module(f"batchgen.kernels.{module}")
         for name in names:
@@ -442,8 +443,9 @@ def check_sampler(device: Any, dry: bool) -> dict:
         sync()
         return (time.perf_counter() - start) / 5 * 1e3
 
+    filtered = _check_filtered_draw(device, rows, vocab, gen, timed)
     return {
-        "ok": same_noise and agree >= rows - 1,  # one near-tie flip allowed
+        "ok": same_noise and agree >= rows - 1 and filtered["ok"],  # one near-tie flip allowed
         "rows": rows,
         "vocab": vocab,
         "noise_bit_identical": same_noise,
@@ -452,6 +454,63 @@ def check_sampler(device: Any, dry: bool) -> dict:
         "formula_draw_ms": timed(
             lambda: _draw_plain(logits, temperature, k_dev, p_dev, TORCH_FORMULA)
         ),
+        "filtered": filtered,
+    }
+
+
+def _check_filtered_draw(
+    device: Any, rows: int, vocab: int, gen: Any, timed: Callable[[Callable[[], object]], float]
+) -> dict:
+    """filtered_draw against the PyTorch formula on bf16 logits cast to fp32 (exact ties that
+    must be cut by vocab id), top-k / top-p / min-p mixed row by row. Kept sets: identical where
+    no cumulative mass decides (top_p = 1: value cuts only; one row spared for a threshold within
+    an ulp); where top-p's mass does, the rows may differ only in boundary tokens of negligible
+    mass (the two sum in different orders). Tokens: equal but for two near-tie flips."""
+    import torch
+
+    from batchgen.engine.noise import TORCH_FORMULA, row_state
+    from batchgen.engine.sampler import _draw_filtered, _filtered_candidates
+    from batchgen.kernels.sampler import filtered_draw, filtered_keep
+
+    logits = (torch.randn(rows, vocab, generator=gen) * 3.0).to(torch.bfloat16).float().to(device)
+    temperature = (0.5 + torch.rand(rows, generator=gen)).to(device)
+    top_k = torch.tensor([(0, 1, 20, 1000, 0)[i % 5] for i in range(rows)], device=device)
+    top_p = torch.tensor([(1.0, 0.9, 0.5, 0.95)[i % 4] for i in range(rows)], device=device)
+    min_p = torch.tensor([(0.0, 0.0, 0.05)[i % 3] for i in range(rows)], device=device)
+    keys = torch.randint(0, 2**63 - 1, (rows,), generator=gen).to(device)
+    pos = torch.randint(0, 10_000, (rows,), generator=gen).to(device)
+    state = row_state(keys, pos)
+    kept, ours = filtered_keep(logits, temperature, top_k, top_p, min_p, state)
+    theirs = _draw_filtered(
+        logits, temperature, top_k, top_p, min_p, keys, pos, True, True, True, None, TORCH_FORMULA
+    )
+    scaled = logits / temperature[:, None]
+    ids, cand_p = _filtered_candidates(scaled, top_k, top_p, min_p, True, True, True, None)
+    want = torch.zeros_like(kept).scatter_(1, ids, cand_p > 0)
+    probs = torch.softmax(scaled, dim=-1)
+    differ = (kept & (probs > 1e-30)) != want  # [rows, vocab]
+    differ_mass = (probs * differ).sum(dim=-1)  # [rows]
+    value_cut = top_p >= 1.0
+    value_rows_differ = int((differ.any(dim=-1) & value_cut).sum())
+    max_mass = float(differ_mass[~value_cut].max()) if bool((~value_cut).any()) else 0.0
+    agree = int((ours == theirs).sum())
+
+    def formula() -> object:
+        return _draw_filtered(
+            logits, temperature, top_k, top_p, min_p, keys, pos, True, True, True, None,
+            TORCH_FORMULA,
+        )  # fmt: skip
+
+    return {
+        "ok": agree >= rows - 2 and value_rows_differ <= 1 and max_mass <= 1e-4,
+        "tokens_equal": agree,
+        "kept_sets_equal": int((~differ.any(dim=-1)).sum()),
+        "value_cut_rows_differing": value_rows_differ,
+        "top_p_rows_max_differing_mass": max_mass,
+        "kernel_draw_ms": timed(
+            lambda: filtered_draw(logits, temperature, top_k, top_p, min_p, row_state(keys, pos))
+        ),
+        "formula_draw_ms": timed(formula),
     }
 
 

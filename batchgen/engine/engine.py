@@ -324,12 +324,17 @@ class Engine:
 
 
 def _default_sampler_kernels(device: torch.device) -> SamplerKernels:
-    """The Triton kernels' noise and plain draw on CUDA; the C kernels' on a CPU when they can
-    be built."""
+    """The Triton kernels' noise, plain draw and filtered draw on CUDA; the C kernels' noise and
+    plain draw on a CPU when they can be built (filtered rows rank in PyTorch there)."""
     if device.type == "cuda":
-        from batchgen.kernels.sampler import race_draw, uniform_noise
+        from batchgen.kernels.sampler import filtered_draw, race_draw, uniform_noise
 
-        return SamplerKernels(uniform_noise=uniform_noise, race_draw=race_draw, device_type="cuda")
+        return SamplerKernels(
+            uniform_noise=uniform_noise,
+            race_draw=race_draw,
+            filtered_draw=filtered_draw,
+            device_type="cuda",
+        )
     native = cpu_kernels.load() if device.type == "cpu" else None
     if native is None:
         return TORCH_FORMULA

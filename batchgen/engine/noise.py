@@ -56,19 +56,24 @@ def rng_key(seed: int, row_id: int | str, sample_index: int) -> int:
 
 @dataclass(frozen=True)
 class SamplerKernels:
-    """Native versions of the sampler's two hot loops, passed in by the caller (the engine picks
-    the C kernels on CPU, the Triton kernels on CUDA); a None field keeps the PyTorch formula.
-    Both are called on tensors of ``device_type`` only and must match the formula: the noise bit
-    for bit, the draw up to float rounding in near-ties.
+    """Native versions of the sampler's hot loops, passed in by the caller (the engine picks the
+    C kernels on CPU, the Triton kernels on CUDA); a None field keeps the PyTorch formula. All
+    are called on tensors of ``device_type`` only and must match the formula: the noise bit for
+    bit, the kept set and the draw up to float rounding in near-ties.
 
     - ``uniform_noise(state, ids, k)``: row states ``[S]`` int64 (``row_state``), vocab ids
       ``[S, k]`` or ``[1, k]`` int64 with contiguous rows -> ``[S, k]`` float32, ``uniform_at``;
     - ``race_draw(logits, temperature, state)``: ``[S, V]`` float32 logits with contiguous rows,
-      ``[S]`` float32 temperatures, ``[S]`` int64 row states -> ``[S]`` int64, ``_draw_plain``.
+      ``[S]`` float32 temperatures, ``[S]`` int64 row states -> ``[S]`` int64, ``_draw_plain``;
+    - ``filtered_draw(logits, temperature, top_k, top_p, min_p, state)``: ``[S, V]`` float32
+      logits, ``[S]`` float32 temperatures, ``[S]`` int64 top_k (0 = off), ``[S]`` float32 top_p
+      and min_p, ``[S]`` int64 row states -> ``[S]`` int64, ``_draw_filtered`` (the rows that
+      filter; the top-k / top-p / min-p rules of ``batchgen.engine.sampler``).
     """
 
     uniform_noise: Callable[[Tensor, Tensor, int], Tensor] | None = None
     race_draw: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
+    filtered_draw: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     device_type: str = "cpu"  # the tensors' device type the kernels run on
 
 

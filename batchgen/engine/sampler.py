@@ -13,6 +13,9 @@ Filtering without sorting the vocabulary. Top-k, top-p and min-p each keep a pre
 the order (probability descending, vocab id ascending): a total order, so ties are broken the same
 way everywhere. The filtered path ranks only a candidate prefix that provably contains every token
 that can survive (``topk`` on a tie-free integer key), and hashes noise only for those candidates.
+A native ``SamplerKernels.filtered_draw`` (Triton, on CUDA) finds the same prefixes without
+ranking, by searching each cut's probability value (then its vocab id among equal values), and
+races over the kept tokens in the same pass as their noise.
 
 Row-wise invariance. A row's result never depends on the other rows: the maths uses elementwise
 ops, row kernels (``softmax``, ``log_softmax``), exact reductions (``argmax``, ``amax``, integer
@@ -344,20 +347,18 @@ def _candidate_limits(
     return limit, k_on
 
 
-def _draw_filtered(
+def _filtered_candidates(
     scaled: Tensor,
     top_k: Tensor,
     top_p: Tensor,
     min_p: Tensor,
-    rng_key: Tensor,
-    position: Tensor,
     use_top_k: bool,
     use_top_p: bool,
     use_min_p: bool,
     width: int | None,
-    kernels: SamplerKernels,
-) -> Tensor:
-    """Draw with top-k, then top-p, then min-p: [R, V] scaled logits -> [R] int64.
+) -> tuple[Tensor, Tensor]:
+    """Top-k, then top-p, then min-p: [R, V] scaled logits -> (ids [R, W] int64, probabilities
+    [R, W] float32), the ranked candidates with the filtered-out ones at probability 0.
 
     Tokens are ranked by (probability desc, vocab id asc) through one int64 key per token,
     ``prob_bits << 31 | (V - 1 - id)`` (the bits of a non-negative float32 order like the float):
@@ -397,6 +398,38 @@ def _draw_filtered(
         cand_p = cand_p.masked_fill(~short, 0.0)
     if use_min_p:
         cand_p = cand_p.masked_fill(cand_p < (min_p * p_max)[:, None], 0.0)
+    return cand_ids, cand_p
+
+
+def _draw_filtered(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    rng_key: Tensor,
+    position: Tensor,
+    use_top_k: bool,
+    use_top_p: bool,
+    use_min_p: bool,
+    width: int | None,
+    kernels: SamplerKernels,
+) -> Tensor:
+    """Draw from softmax(logits / temperature) filtered by top-k, top-p and min-p:
+    [R, V] -> [R] int64."""
+    if (
+        logits.device.type == kernels.device_type
+        and logits.dtype == torch.float32
+        and kernels.filtered_draw is not None
+    ):
+        # One native kernel per row: the same kept set found by searching probability values
+        # instead of ranking, and the same race over it (equal up to float rounding in near ties).
+        state = row_state(rng_key, position)  # [R]
+        return kernels.filtered_draw(logits, temperature, top_k, top_p, min_p, state)
+    scaled = logits / temperature[:, None]  # [R, V]
+    cand_ids, cand_p = _filtered_candidates(
+        scaled, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, width
+    )  # [R, W], [R, W]
     # Filtered probabilities need no renormalisation: the race's argmax is scale-invariant.
     race = cand_p.div_(exponential_at(rng_key, position, cand_ids, kernels))  # [R, W]
     return cand_ids.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)  # [R]
@@ -411,16 +444,15 @@ def _draw(logits: Tensor, batch: SamplingBatch, kernels: SamplerKernels) -> Tens
     key, pos = _take(batch.rng_key, rows), _take(batch.position, rows)
     if not batch.any_filtered:
         return _draw_plain(logits, temperature, key, pos, kernels)
-    scaled = logits / temperature[:, None]  # [R, V]
     flags = (batch.any_top_k, batch.any_top_p, batch.any_min_p, batch.candidate_width, kernels)
     if not batch.any_plain:
-        return _draw_filtered(scaled, top_k, top_p, min_p, key, pos, *flags)
+        return _draw_filtered(logits, temperature, top_k, top_p, min_p, key, pos, *flags)
     # Mixed: rank only the rows that filter; put both parts back in place.
     f, p = batch.filtered_rows, batch.plain_rows
-    tokens = torch.empty(scaled.shape[0], dtype=torch.int64, device=scaled.device)  # [R]
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)  # [R]
     tokens[f] = _draw_filtered(
-        _take(scaled, f), _take(top_k, f), _take(top_p, f), _take(min_p, f),
-        _take(key, f), _take(pos, f), *flags,
+        _take(logits, f), _take(temperature, f), _take(top_k, f), _take(top_p, f),
+        _take(min_p, f), _take(key, f), _take(pos, f), *flags,
     )  # fmt: skip
     tokens[p] = _draw_plain(
         _take(logits, p), _take(temperature, p), _take(key, p), _take(pos, p), kernels
