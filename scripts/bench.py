@@ -401,10 +401,22 @@ def floor_flops(cfg: dict[str, Any], work: dict[str, int]) -> float:
 
 
 def measure_mm_rate(dtype: str, size: int = 2048, reps: int = 10) -> dict[str, float]:
-    """torch.mm FLOP/s in ``dtype`` at the current thread count: best and median of ``reps``."""
+    """torch.mm FLOP/s in ``dtype`` at the current thread count: best and median of ``reps``.
+
+    Where ``dtype`` is slow (bf16 on a CPU without native bf16 runs under 1 GFLOP/s, so one
+    2048-cube product takes minutes), the matrices shrink until a product takes about 0.2 s."""
     import torch
 
     dt = getattr(torch, dtype)
+    probe = 256
+    a = torch.randn(probe, probe).to(dt)
+    torch.mm(a, a)
+    t = time.perf_counter()
+    torch.mm(a, a)
+    probe_rate = 2.0 * probe**3 / max(time.perf_counter() - t, 1e-9)
+    fitting = int((0.2 * probe_rate / 2.0) ** (1 / 3)) // 64 * 64  # one product in ~0.2 s
+    if fitting < size // 2:  # a small probe underrates fast dtypes: shrink only slow ones
+        size = max(probe, fitting)
     a = torch.randn(size, size).to(dt)
     b = torch.randn(size, size).to(dt)
     c = torch.empty(size, size, dtype=dt)
@@ -416,7 +428,7 @@ def measure_mm_rate(dtype: str, size: int = 2048, reps: int = 10) -> dict[str, f
         torch.mm(a, b, out=c)
         times.append(time.perf_counter() - t)
     flops = 2.0 * size**3
-    return {"best": flops / min(times), "median": flops / statistics.median(times)}
+    return {"best": flops / min(times), "median": flops / statistics.median(times), "size": size}
 
 
 def measure_mm_rates() -> dict[str, dict[str, float]]:
