@@ -975,7 +975,8 @@ def format_table(results: list[dict]) -> str:
 def format_machine(cpu: dict[str, Any], mm: dict[str, Any], torch_version: str) -> str:
     flags = " ".join(f for f, on in cpu["flags"].items() if on) or "(none of interest)"
     rates = ", ".join(
-        f"{short(d)} best {m['best'] / 1e9:.0f} GFLOP/s (median {m['median'] / 1e9:.0f})"
+        f"{short(d)} best {m['best'] / 1e9:.0f} GFLOP/s (median {m['median'] / 1e9:.0f}, "
+        f"{m['size']}^3)"
         for d, m in mm["rates"].items()
     )
     return "\n".join(
@@ -983,7 +984,7 @@ def format_machine(cpu: dict[str, Any], mm: dict[str, Any], torch_version: str) 
             f"machine: {cpu['model']}, {cpu['cpus']} CPUs; flags: {flags}; native bf16: "
             f"{'yes' if cpu['native_bf16'] else 'no'}; torch {torch_version}, "
             f"{mm['threads']} threads",
-            f"torch.mm rate (2048^3, {mm['threads']} threads): {rates}; the floor uses the best, "
+            f"torch.mm rate ({mm['threads']} threads): {rates}; the floor uses the best, "
             "in each row's dtype",
         ]
     )
@@ -1258,11 +1259,11 @@ def main() -> None:
 
     mm = {
         "threads": threads,
-        "size": 2048,
         "rates": {
             d: {
                 "best": max(r[d]["best"] for r in rates),
                 "median": statistics.median(r[d]["median"] for r in rates),
+                "size": rates[0][d]["size"],
             }
             for d in DTYPES
         },
