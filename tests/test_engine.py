@@ -43,9 +43,14 @@ def make_engine(model_dir, backend="torch", detokenize=None, **overrides) -> Eng
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    for row, p in enumerate(prompts):
+    return run_requests(engine, [(p, params) for p in prompts])
+
+
+def run_requests(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict:
+    """Each (prompt, params) as the request of row i; the results by (row, sample_index)."""
+    for row, (prompt, params) in enumerate(requests):
         targets = tuple(SampleTarget(row, k, rng_key(params.seed, row, k)) for k in range(params.n))
-        engine.add(Request(tuple(p), params, targets))
+        engine.add(Request(tuple(prompt), params, targets))
     out = {}
     while engine.has_work():
         for res in engine.step():

@@ -16,12 +16,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from batchgen.engine.noise import rng_key
-from batchgen.engine.request import FinishReason, Request, SampleTarget, SamplingParams
+from batchgen.engine.request import FinishReason, SamplingParams
 from batchgen.tiny_model import make_prompts
 from tests.hf_reference import ARCHS
 from tests.jobkit import invoke, run_job, write_job
-from tests.test_engine import make_engine, random_prompts
+from tests.test_engine import make_engine, random_prompts, run_requests
 
 LOGPROB_ATOL = 2e-4  # batch shapes differ a little (discarded rows, rows that wait a step)
 
@@ -30,26 +29,11 @@ def _model(tiny_model):
     return tiny_model("llama", **ARCHS["llama"])
 
 
-def run(engine, requests: list[tuple[list[int], SamplingParams]]) -> dict:
-    """Each (prompt, params) as a request of row i; the results by (row, sample_index). Checks
-    that nothing leaks."""
-    for row, (prompt, params) in enumerate(requests):
-        targets = tuple(SampleTarget(row, k, rng_key(params.seed, row, k)) for k in range(params.n))
-        engine.add(Request(tuple(prompt), params, targets))
-    out = {}
-    while engine.has_work():
-        for res in engine.step():
-            out[(res.target.row, res.target.sample_index)] = res
-    engine.scheduler.cache.evict(engine.pool.num_blocks)
-    assert engine.pool.num_free == engine.pool.num_blocks
-    return out
-
-
 def both(model, requests, **engine_kw) -> tuple[dict, dict, object, object]:
     """Run ``requests`` with overlap off and on; assert identical outputs."""
     off = make_engine(model, overlap=False, **engine_kw)
     on = make_engine(model, overlap=True, **engine_kw)
-    want, got = run(off, requests), run(on, requests)
+    want, got = run_requests(off, requests), run_requests(on, requests)
     assert got.keys() == want.keys()
     for key, w in want.items():
         g = got[key]
@@ -78,7 +62,7 @@ def test_greedy_eos_prefixes_and_max_tokens(tiny_model) -> None:
         SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 4)) for i in range(len(prompts))
     ]
     # Stop tokens: tokens the free-running outputs draw in their middle.
-    ref = run(make_engine(model), list(zip(prompts, plain, strict=True)))
+    ref = run_requests(make_engine(model), list(zip(prompts, plain, strict=True)))
     stops = tuple(
         {r.token_ids[len(r.token_ids) // 2] for r in ref.values() if len(r.token_ids) > 2}
     )
@@ -137,9 +121,9 @@ def test_penalty_rows_wait_for_their_token(tiny_model) -> None:
         return batch
 
     engine.scheduler.schedule = recording
-    got = run(engine, requests)
+    got = run_requests(engine, requests)
     assert seen and not any(seen)  # penalty rows were scheduled, never with a token in flight
-    want = run(make_engine(model, overlap=False), requests)
+    want = run_requests(make_engine(model, overlap=False), requests)
     assert {k: r.token_ids for k, r in got.items()} == {k: r.token_ids for k, r in want.items()}
 
 
@@ -153,7 +137,7 @@ def test_stop_strings(tiny_model) -> None:
 
     prompts = random_prompts([4, 7, 10, 13, 16], seed=9)
     free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    ref = run(make_engine(model), [(p, free) for p in prompts])
+    ref = run_requests(make_engine(model), [(p, free) for p in prompts])
     # a stop string from the middle of each output's text
     stops = []
     for row in range(len(prompts)):

@@ -65,19 +65,21 @@ class FakeRunner:
                 self.kv[slot] = (p, seq.token_ids[p])
             self.computed_tokens += chunk.num_tokens
             if chunk.samples:
-                end = chunk.start + chunk.num_tokens
-                context = []
-                for p in range(end):
-                    entry = self.kv[seq.block_table[p // self.bs] * self.bs + p % self.bs]
-                    assert entry is not None and entry[0] == p, f"stale KV at position {p}"
-                    context.append(entry[1])
-                draws.append(
-                    [Draw(next_token(tuple(context), t.rng_key), 0.0) for t in seq.targets]
-                )
+                context = self.context(seq, chunk.start + chunk.num_tokens)
+                draws.append([Draw(next_token(context, t.rng_key), 0.0) for t in seq.targets])
         self.sampled_per_step.append(sum(map(len, draws)))
         finished = self.sched.update(batch, draws)
         self.sched.check()
         return finished
+
+    def context(self, seq, end: int) -> tuple[int, ...]:
+        """The tokens at positions [0, end) as the KV slots hold them (asserts none is stale)."""
+        context = []
+        for p in range(end):
+            entry = self.kv[seq.block_table[p // self.bs] * self.bs + p % self.bs]
+            assert entry is not None and entry[0] == p, f"stale KV at position {p}"
+            context.append(entry[1])
+        return tuple(context)
 
     def pending(self) -> bool:
         return False
@@ -121,13 +123,8 @@ class OverlapRunner(FakeRunner):
                 self.kv[seq.block_table[p // self.bs] * self.bs + p % self.bs] = (p, token)
             self.computed_tokens += chunk.num_tokens
             if chunk.samples:
-                end = chunk.start + chunk.num_tokens
-                context = []
-                for p in range(end):
-                    entry = self.kv[seq.block_table[p // self.bs] * self.bs + p % self.bs]
-                    assert entry is not None and entry[0] == p, f"stale KV at position {p}"
-                    context.append(entry[1])
-                draws.extend(Draw(next_token(tuple(context), t.rng_key), 0.0) for t in seq.targets)
+                context = self.context(seq, chunk.start + chunk.num_tokens)
+                draws.extend(Draw(next_token(context, t.rng_key), 0.0) for t in seq.targets)
         self.sampled_per_step.append(len(draws))
         self.sched.launched(batch)
         finished = self.sched.complete(*prev) if prev is not None else []
