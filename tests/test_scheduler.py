@@ -53,10 +53,7 @@ class FakeRunner:
         assert batch, "empty batch with work left"
         self.sched.check(batch)
         self.copies_per_step.append(len(batch.copies))
-        for src, dst in batch.copies:
-            self.kv[dst * self.bs : (dst + 1) * self.bs] = self.kv[
-                src * self.bs : (src + 1) * self.bs
-            ]
+        self.copy_blocks(batch.copies)
         draws = []
         for chunk in batch.chunks:
             seq = chunk.seq
@@ -71,6 +68,12 @@ class FakeRunner:
         finished = self.sched.update(batch, draws)
         self.sched.check()
         return finished
+
+    def copy_blocks(self, copies) -> None:
+        for src, dst in copies:
+            self.kv[dst * self.bs : (dst + 1) * self.bs] = self.kv[
+                src * self.bs : (src + 1) * self.bs
+            ]
 
     def context(self, seq, end: int) -> tuple[int, ...]:
         """The tokens at positions [0, end) as the KV slots hold them (asserts none is stale)."""
@@ -110,10 +113,7 @@ class OverlapRunner(FakeRunner):
         device = {}  # id(seq) -> its in-flight token, as the device knows it
         if prev is not None:
             device = {id(seq): d.token for seq, d in zip(prev[0].sampled, prev[1], strict=True)}
-        for src, dst in batch.copies:
-            self.kv[dst * self.bs : (dst + 1) * self.bs] = self.kv[
-                src * self.bs : (src + 1) * self.bs
-            ]
+        self.copy_blocks(batch.copies)
         draws = []
         for chunk in batch.chunks:
             seq = chunk.seq
