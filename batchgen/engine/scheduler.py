@@ -198,7 +198,7 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            break  # seq itself was preempted: it was the newest, nothing follows it
+            break  # seq was preempted (it was the newest) or the newest is in flight: stop
 
         # 2. Admit waiting sequences (or parts of them) while budget, slots and blocks allow.
         # A running sequence takes one slot per target: it samples that many rows per step.
