@@ -79,7 +79,7 @@ def run_job(model: Path, data: Path, out: Path, w: Any, structured: dict | None)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     if proc.returncode != 0:
         raise SystemExit(f"batchgen failed: {proc.stderr.strip().splitlines()[-1:]}")
-    report = json.loads((out / "result" / "_report.json").read_text())
+    report = json.loads((out / "result" / ".batchgen" / "report.json").read_text())
     return {
         "tok_s": report["output_tokens_per_s"],
         "output_tokens": report["output_tokens"],

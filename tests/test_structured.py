@@ -48,7 +48,7 @@ def _model(tiny_model):
 
 
 def _report(out) -> dict:
-    return json.loads((out / "_report.json").read_text())
+    return json.loads((out / ".batchgen" / "report.json").read_text())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
