@@ -39,6 +39,7 @@ from batchgen.results import (
     OutputFolder,
 )
 from batchgen.schema import error_rows, output_schema
+from batchgen.status import read_status
 from batchgen.storage import ObjectFolder, s3_filesystem
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import (
@@ -293,6 +294,74 @@ def test_a_writer_that_lost_its_lease_does_not_commit(s3: Any) -> None:
         with pytest.raises(JobError, match="was not renewed for"):
             write_rows(other, range(2, 4))
         assert manifest(s3)["totals"]["rows"] == 2
+
+
+# --------------------------------------------------------------------------- the earlier layout
+
+EARLIER = ("_report.json", "_batch_output.jsonl", "_manifest.json")
+
+
+def to_earlier_layout(store: ObjectFolder) -> None:
+    """A folder as an earlier batchgen left it: manifest and report beside the parts, and its
+    newest part committed but not published yet (a crash between the manifest's PUT and the
+    copy): staged under the earlier ``_staging/`` name only."""
+    manifest = json.loads(store.read_bytes(MANIFEST_NAME) or b"")
+    last = manifest["parts"][-1]
+    last["staged"] = f"_staging/{last['name'].removesuffix('.parquet')}-earlier.parquet"
+    store.copy(last["name"], last["staged"])
+    store.delete(last["name"])
+    store.put("_manifest.json", lambda f: f.write(json.dumps(manifest).encode()))
+    store.copy(REPORT_NAME, "_report.json")
+    for name in store.list():
+        if name.startswith(".batchgen/"):
+            store.delete(name)
+
+
+@pytest.mark.parametrize("crash", [None, "copy:0", "copy:1", "delete:0", "delete:2"])
+def test_an_earlier_folder_on_s3_is_migrated(
+    s3: Any, monkeypatch: pytest.MonkeyPatch, crash: str | None
+) -> None:
+    """status reads an earlier-layout folder; opening it migrates it (rolling its unpublished
+    part forward) also when an earlier open was killed at a copy or a delete of the migration;
+    no row is lost or repeated."""
+    uri = f"{s3.uri}/out"
+    with OutputFolder.open(uri, FP) as folder:
+        write_rows(folder, range(0, 3))
+        write_rows(folder, range(3, 5))
+        folder.write_report({"rows": 5, "elapsed_s": 1.0, "output_tokens_per_s": 20.0})
+    store = ObjectFolder(uri)
+    to_earlier_layout(store)
+    assert "5 rows" in read_status(uri) and "20.0 output tokens/s" in read_status(uri)
+    assert [r["id"] for r in s3_results(s3)] == [0, 1, 2]  # the unpublished part is hidden
+
+    if crash is not None:
+        op, at = crash.split(":")
+        real = getattr(ObjectFolder, op)
+        calls: list[str] = []
+
+        class Crash(Exception):
+            pass
+
+        def crashing(self: ObjectFolder, name: str, *rest: str) -> None:
+            if name in EARLIER:
+                if len(calls) == int(at):
+                    raise Crash(name)
+                calls.append(name)
+            real(self, name, *rest)
+
+        with monkeypatch.context() as m:
+            m.setattr(ObjectFolder, op, crashing)
+            with pytest.raises(Crash):
+                OutputFolder.open(uri, FP)  # the lease is released on the way out
+        assert "5 rows" in read_status(uri)
+        assert [r["id"] for r in s3_results(s3)] == [0, 1, 2]
+
+    with OutputFolder.open(uri, FP) as folder:
+        assert folder.completed_ids() == set(range(5))
+        assert folder.counts()["rows"] == 5
+    assert names(s3) == [MANIFEST_NAME, REPORT_NAME, "part-00000.parquet", "part-00001.parquet"]
+    assert [r["id"] for r in s3_results(s3)] == list(range(5))
+    assert "20.0 output tokens/s" in read_status(uri)
 
 
 # --------------------------------------------------------------------------- whole jobs
