@@ -44,6 +44,7 @@ BATCH_OUTPUT_NAME = f"{HIDDEN_DIR}/{BATCH_OUTPUT_FILE}"
 # The earlier layout (bookkeeping beside the parts), read and migrated, never written.
 LEGACY_MANIFEST_NAME = "_manifest.json"
 LEGACY_REPORT_NAME = "_report.json"
+LEGACY_BATCH_OUTPUT_NAME = "_batch_output.jsonl"
 LEGACY_LOCK_NAME = ".batchgen.lock"
 LEGACY_STAGING_PREFIX = "_staging/"
 LEGACY_LEASE_PREFIX = "_lease/"
@@ -61,6 +62,7 @@ __all__ = [
     "BATCH_OUTPUT_NAME",
     "HIDDEN_DIR",
     "LEASE_PREFIX",
+    "LEGACY_BATCH_OUTPUT_NAME",
     "LEGACY_LEASE_PREFIX",
     "LEGACY_LOCK_NAME",
     "LEGACY_MANIFEST_NAME",

@@ -10,9 +10,9 @@ Invariant, on both kinds of storage: **the folder is in the new layout iff
 ``.batchgen/manifest.json`` exists.** The manifest moves last, so a migration killed at any step
 leaves either the old layout (with some of the other files moved already: the next open moves the
 rest) or the new one (with some legacy leftovers that the next open deletes); readers of the
-manifest (``status``, ``validate``) look for the new name first, then the old one. The commit
-protocol's own leftovers (temp files, staged parts, unlisted parts, lost leases) are the results
-module's to clean, in either layout's names.
+manifest (``status``, ``validate``) look for the new name first, then the old one. The earlier
+layout's temp files are deleted here; staged parts and unlisted parts are the results module's to
+clean, leases the lease's (:class:`~batchgen.storage.ObjectLease`), in either layout's names.
 
 Both functions run under the folder's lock (local) or lease (object store).
 """
@@ -28,6 +28,7 @@ from batchgen.errors import JobError
 from batchgen.layout import (
     BATCH_OUTPUT_NAME,
     HIDDEN_DIR,
+    LEGACY_BATCH_OUTPUT_NAME,
     LEGACY_LOCK_NAME,
     LEGACY_MANIFEST_NAME,
     LEGACY_REPORT_NAME,
@@ -37,21 +38,21 @@ from batchgen.layout import (
 from batchgen.storage import ObjectFolder, fsync_dir, lock_folder
 
 # The earlier layout's files that move, old name -> new name; the manifest last (the invariant).
-LEGACY_BATCH_OUTPUT_NAME = "_batch_output.jsonl"
 MOVES = (
     (LEGACY_REPORT_NAME, REPORT_NAME),
     (LEGACY_BATCH_OUTPUT_NAME, BATCH_OUTPUT_NAME),
     (LEGACY_MANIFEST_NAME, MANIFEST_NAME),
 )
 # Temp names of the earlier layout's atomic writes, beside the parts: never committed.
-LEGACY_TEMP_RE = re.compile(r"^\.(part-\d{5,}\.parquet|_manifest\.json|_report\.json)\.tmp$")
+LEGACY_TEMP_RE = re.compile(
+    r"^\.(part-\d{5,}\.parquet|_manifest\.json|_report\.json|_batch_output\.jsonl)\.tmp$"
+)
 
 
 def _both_manifests(folder: object) -> JobError:
     return JobError(
         f"output folder {folder} holds two different manifests, {LEGACY_MANIFEST_NAME} (written "
-        f"by an earlier batchgen) and {MANIFEST_NAME}; delete the one that is not this job's, or "
-        "use --fresh"
+        f"by an earlier batchgen) and {MANIFEST_NAME}; delete the one that is not this job's"
     )
 
 
@@ -106,4 +107,4 @@ def migrate_objects(store: ObjectFolder) -> None:
         store.delete(legacy)
 
 
-__all__ = ["LEGACY_BATCH_OUTPUT_NAME", "migrate_local", "migrate_objects"]
+__all__ = ["LEGACY_TEMP_RE", "MOVES", "migrate_local", "migrate_objects"]

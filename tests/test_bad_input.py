@@ -1109,7 +1109,7 @@ def test_internal_error_keeps_committed_rows_and_resumes(
     match = re.search(r"traceback written to (\S+)\)$", line)
     assert match, line
     log = Path(match.group(1))
-    assert log.parent == out and log.name.startswith("_")
+    assert log.parent == out / ".batchgen" / "logs" and log.name.startswith("error-")
     text = log.read_text()
     assert "Traceback" in text and "failing_step" in text and "RuntimeError" in text
     # What was committed is readable (the log is invisible to Parquet readers) and partial.
