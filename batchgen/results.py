@@ -1,7 +1,7 @@
 """Parquet out: part files, the manifest, the report. Durable and resumable.
 
 One noun, the output folder: its inspection (shared by ``validate`` and ``open``), its commit
-protocol and the writer that feeds it, kept together (about 540 lines) because each relies on the
+protocol and the writer that feeds it, kept together (about 900 lines) because each relies on the
 others' invariants; the file primitives are in :mod:`batchgen.storage`, status in
 :mod:`batchgen.status`.
 
