@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +37,21 @@ Keys = list[tuple[int, int]]
 
 
 @pytest.fixture(scope="module")
-def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Hugging Face datasets kept off the network and out of ~/.cache: its settings are read
-    when it is imported, so they are set before (the readers import it on first use)."""
+    when it is imported, so they are set before (the readers import it on first use), and put
+    back after this module's tests."""
     cache = tmp_path_factory.mktemp("hf")
-    os.environ.update(
-        {
+    with pytest.MonkeyPatch.context() as m:
+        for key, value in {
             "HF_HOME": str(cache / "home"),
             "HF_DATASETS_CACHE": str(cache / "datasets"),
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-        }
-    )
-    return cache
+        }.items():
+            m.setenv(key, value)
+        yield cache
 
 
 def _keys(ids: list[Any], samples: list[Any]) -> Keys:
@@ -121,12 +122,9 @@ def assert_readers_see(out: Path, expected: Keys, cache: Path) -> None:
 def committed_keys(out: Path) -> Keys:
     """The (id, sample_index) pairs the folder holds committed, as batchgen counts them when it
     opens the folder (every committed row has all N samples)."""
-    with OutputFolder.open(out, FP if manifest_of(out)["fingerprint"] == FP else _fp(out)) as f:
-        return sorted((i, k) for i in f.completed_ids() for k in range(N))
-
-
-def _fp(out: Path) -> dict[str, str]:
-    return dict(manifest_of(out)["fingerprint"])
+    fingerprint = dict(manifest_of(out)["fingerprint"])  # the folder's own job
+    with OutputFolder.open(out, fingerprint) as folder:
+        return sorted((i, k) for i in folder.completed_ids() for k in range(N))
 
 
 def rows(row_id: int) -> list[dict[str, Any]]:
