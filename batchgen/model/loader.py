@@ -412,7 +412,7 @@ def _identity(root: Path) -> str:
 
         for label, data in GgufModel.open(root).identity_parts():
             add(label, data)
-        add(f"{root.name}:sample", _sample_bytes(root))
+        add("gguf:sample", _sample_bytes(root))
         return digest.hexdigest()
     for name in ("config.json", "generation_config.json", *_TOKENIZER_FILES):
         path = root / name
