@@ -376,7 +376,7 @@ class OutputFolder:
 
     def __init__(self, path: Path, manifest: dict[str, Any], lock_fd: int | None) -> None:
         self.path = path
-        self._manifest = manifest  # invariant: equal to what _manifest.json holds on disk
+        self._manifest = manifest  # invariant: what .batchgen/manifest.json holds on disk
         self._lock_fd = lock_fd
 
     @classmethod
