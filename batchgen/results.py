@@ -449,7 +449,7 @@ class OutputFolder:
         # Nothing staged was committed (a part is committed by its rename out of staging); temp
         # files of the manifest and the report were never renamed into place.
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        staging.mkdir(exist_ok=True)
         for name in os.listdir(hidden):
             if name.startswith(".") and name.endswith(".tmp"):
                 (hidden / name).unlink(missing_ok=True)
