@@ -636,15 +636,16 @@ class OutputFolder:
         self._manifest = manifest
 
     @contextlib.contextmanager
-    def _space_checked(self) -> Iterator[None]:
+    def _space_checked(self, saved_rows: int | None = None) -> Iterator[None]:
         """A full disk or quota while writing becomes an OutputFullError naming the folder and
-        the rows committed (the manifest on disk is the one held here)."""
+        the rows committed: ``saved_rows``, else the manifest's (the one on disk is the one held
+        here)."""
         try:
             yield
         except OSError as err:
             if err.errno not in NO_SPACE_ERRNOS:
                 raise
-            rows = self.counts()["rows"]
+            rows = self.counts()["rows"] if saved_rows is None else saved_rows
             raise OutputFullError(
                 f"output folder {self.path}: {os.strerror(err.errno)} while saving results; "
                 f"{rows} rows are saved there; free space (or raise the quota) and run the same "
@@ -668,7 +669,15 @@ class OutputFolder:
         # open records it. A retry in this process replaces it, under the same number, with the
         # buffered rows: they include the part's (the buffer is kept on failure).
         manifest = manifest_with_part(self._manifest, number, name, table, rows)
-        self._write_manifest(manifest, before_rename=lambda: step("manifest_written"))
+        data = json_bytes(manifest)
+        with self._space_checked(saved_rows=int(manifest["totals"]["rows"])):
+            write_durably(
+                self.path / HIDDEN_DIR,
+                MANIFEST_FILE,
+                lambda f: f.write(data),
+                before_rename=lambda: step("manifest_written"),
+            )
+        self._manifest = manifest
 
 
 # --------------------------------------------------------------------------- object storage

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -11,7 +12,8 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.errors import JobError
+import batchgen.results as results
+from batchgen.errors import JobError, OutputFullError
 from batchgen.results import (
     COMMIT_STEPS,
     MANIFEST_NAME,
@@ -483,3 +485,32 @@ def test_unreadable_unlisted_newest_part(tmp_path: Path) -> None:
     (out / "part-00000.parquet").write_bytes(b"garbage")
     with pytest.raises(JobError, match="committed part part-00000.parquet is unreadable"):
         OutputFolder.open(out, FP)
+
+
+def test_a_full_disk_at_the_manifest_update_counts_the_committed_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The part is committed by its rename; a full disk while the manifest is updated after it
+    says those rows are saved too (the next open lists the part)."""
+    out = tmp_path / "o"
+    real = results.write_durably
+
+    def full_at_manifest(folder: Path, name: str, *args: object, **kwargs: object) -> None:
+        if name == "manifest.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(folder, name, *args, **kwargs)
+
+    with OutputFolder.open(out, FP) as folder:
+        writer = folder.writer(SCHEMA, 100, 1e9)
+        writer.add_row_group(samples(0))
+        writer.commit()
+        monkeypatch.setattr(results, "write_durably", full_at_manifest)
+        writer.add_row_group(samples(1))
+        writer.add_row_group(samples(2))
+        with pytest.raises(OutputFullError, match="3 rows are saved there"):
+            writer.commit()
+        monkeypatch.undo()
+    assert keys_of(read_back(out)) == [(i, k) for i in range(3) for k in range(2)]
+    with OutputFolder.open(out, FP) as folder:
+        assert folder.completed_ids() == {0, 1, 2} and folder.counts()["rows"] == 3
+
