@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO := demo
+REAL_MODEL := SmolLM2-135M-Instruct.Q4_1.gguf
 
 .PHONY: setup demo test test-all bench lint clean real-model
 
@@ -13,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,ray]'
+	$(BIN)/pip install -q -e '.[test,ray]' gguf  # gguf: reads the demo's model file
 	touch $@
 
 $(DEMO)/model/config.json: | setup
@@ -22,18 +23,24 @@ $(DEMO)/model/config.json: | setup
 $(DEMO)/prompts.parquet: | setup
 	$(BIN)/python scripts/make_demo_data.py $(DEMO)
 
-$(DEMO)/adder/config.json: | setup
-	$(BIN)/python scripts/demo_adder.py train $(DEMO)/adder
+# The real model (SmolLM2-135M-Instruct, a 98 MB GGUF file): fetched once per machine into
+# ~/.cache/batchgen/models by scripts/fetch_real_model.py, linked here for the job files.
+$(DEMO)/$(REAL_MODEL): | setup
+	mkdir -p $(DEMO)
+	path="$$($(BIN)/python scripts/fetch_real_model.py)" && ln -sfn "$$path" $@
 
-$(DEMO)/adder.parquet: | setup
-	$(BIN)/python scripts/demo_adder.py data $@
+$(DEMO)/reviews.parquet: scripts/demo_reviews.py | setup
+	$(BIN)/python scripts/demo_reviews.py data $(DEMO)
 
-# the quick start: train the adder, ask it 200 questions (4 samples each, then greedy), count the
-# right answers; the random model and the other jobs' data are made too (jobs/*.yaml use them)
-demo: setup $(DEMO)/adder/config.json $(DEMO)/adder.parquet $(DEMO)/model/config.json $(DEMO)/prompts.parquet
+# the quick start: the real model labels 200 product reviews (4 samples each, then greedy), writes
+# 4 one-line summaries of the first 32, and the labels are counted against the known ones
+# (scripts/demo_reviews.py); the random model and the other jobs' data are made too (jobs/*.yaml
+# use them)
+demo: setup $(DEMO)/$(REAL_MODEL) $(DEMO)/reviews.parquet $(DEMO)/model/config.json $(DEMO)/prompts.parquet
 	$(BIN)/batchgen run jobs/quickstart.yaml --fresh
 	$(BIN)/batchgen run jobs/quickstart.yaml --fresh --quiet --set output.path=../out/quickstart-greedy --set sampling.n=1 --set sampling.temperature=0
-	$(BIN)/python scripts/demo_adder.py check out/quickstart out/quickstart-greedy
+	$(BIN)/batchgen run jobs/summaries.yaml --fresh --quiet
+	$(BIN)/python scripts/demo_reviews.py check out/quickstart out/quickstart-greedy --summaries out/summaries --reviews $(DEMO)/reviews.parquet
 
 # `make test`: everything but the tests marked slow (kill-and-resume, Ray clusters, kernel
 # compilation): a few minutes on two cores. `make test-all`: every test; CI (.ci/run) runs it.
