@@ -33,7 +33,7 @@ $(DEMO)/reviews.parquet: scripts/demo_reviews.py | setup
 	$(BIN)/python scripts/demo_reviews.py data $(DEMO)
 
 # the quick start: the real model labels 200 product reviews (4 samples each, then greedy), writes
-# 4 one-line summaries of the first 32, and the labels are counted against the known ones
+# 4 one-line summaries of the first 24, and the labels are counted against the known ones
 # (scripts/demo_reviews.py); the random model and the other jobs' data are made too (jobs/*.yaml
 # use them)
 demo: setup $(DEMO)/$(REAL_MODEL) $(DEMO)/reviews.parquet $(DEMO)/model/config.json $(DEMO)/prompts.parquet

@@ -10,7 +10,7 @@ whose labels are known, so that what it writes can be checked.
 phrases; half positive, half negative; the same rows on every run) with their ``label`` and the
 chat prompt of jobs/quickstart.yaml in ``messages`` (an instruction as the system message, the
 review as the user's; the output is constrained to ``positive`` or ``negative``), and the first
-32 reviews with a request for a one-line summary (demo/summarize.parquet, jobs/summaries.yaml).
+24 reviews with a request for a one-line summary (demo/summarize.parquet, jobs/summaries.yaml).
 ``check`` counts right labels in output folders written by jobs/quickstart.yaml (which keeps
 the ``label`` column), per sample and by majority vote over a review's samples, and prints a few
 reviews with their labels, predictions and summaries.
@@ -199,7 +199,7 @@ def make_rows(rows: int = 200, seed: int = 0) -> list[dict[str, Any]]:
     return out
 
 
-def write_data(folder: Path, rows: int = 200, seed: int = 0, summarize: int = 32) -> None:
+def write_data(folder: Path, rows: int = 200, seed: int = 0, summarize: int = 24) -> None:
     """``folder/reviews.parquet`` (``rows`` reviews: ``id``, ``product``, ``review``, ``label``,
     ``messages``) and ``folder/summarize.parquet`` (the first ``summarize`` of them: ``id``,
     ``review``, ``messages`` asking for a summary)."""
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("folder", type=Path)
     d.add_argument("--rows", type=int, default=200)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--summarize", type=int, default=32, help="reviews to summarize (the first)")
+    d.add_argument("--summarize", type=int, default=24, help="reviews to summarize (the first)")
     c = sub.add_parser("check", help="count right labels in output folders")
     c.add_argument("folders", type=Path, nargs="+")
     c.add_argument("--summaries", type=Path, help="an output folder of jobs/summaries.yaml")

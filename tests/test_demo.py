@@ -118,9 +118,9 @@ def test_check_refuses_a_folder_without_labels(reviews, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_demo_labels_reviews(reviews, tmp_path):
-    """What `make demo` promises, on its first 16 reviews: the real model labels most of them
-    right, greedy and sampled (measured on these 16: see the bounds)."""
-    reviews.write_data(tmp_path, rows=16, seed=0, summarize=0)
+    """What `make demo` promises, on its first 32 reviews: the real model labels most of them
+    right, greedy and sampled (two samples each here)."""
+    reviews.write_data(tmp_path, rows=32, seed=0, summarize=0)
     job = yaml.safe_load((ROOT / "jobs" / "quickstart.yaml").read_text())
     job["model"] = str(real_model.gguf())
     job["input"]["path"] = str(tmp_path / "reviews.parquet")
@@ -135,9 +135,11 @@ def test_the_demo_labels_reviews(reviews, tmp_path):
     )  # fmt: skip
     s = reviews.score(read_results(tmp_path / "sampled"))
     g = reviews.score(read_results(tmp_path / "greedy"))
-    assert s["samples"] == 32 and g["samples"] == 16
+    assert s["samples"] == 64 and g["samples"] == 32
     assert g["right"] >= GREEDY_MIN, g
     assert s["right"] >= SAMPLED_MIN, s
 
 
-GREEDY_MIN, SAMPLED_MIN = 12, 20  # of 16 and 32; chance is 8 and 16
+# Of 32 and 64; chance is 16 and 32. Measured: 23 and 48 (bf16, a CPU with AVX512-BF16; in the
+# whole demo the first 32 reviews get 27 greedy).
+GREEDY_MIN, SAMPLED_MIN = 20, 40
