@@ -1,6 +1,7 @@
 """Write the example jobs' input files (jobs/*.yaml read them from demo/).
 
-- prompts.parquet: rows sharing a long system prompt, with a `topic` column (quickstart.yaml)
+- prompts.parquet: rows sharing a long system prompt, with a `topic` column (no job in jobs/ reads
+                   it; a prompt_column input to try settings on)
 - fewshot.parquet: rows built from a handful of few-shot templates, shuffled (fewshot.yaml)
 - chat.parquet:    chat conversations in a `messages` column with string ids (chat.yaml)
 - extract.parquet: texts to extract records from, each with the JSON schema of its record in a
