@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,ray]' gguf  # gguf: reads the demo's model file
+	$(BIN)/pip install -q -e '.[test,ray]'
 	touch $@
 
 $(DEMO)/model/config.json: | setup
