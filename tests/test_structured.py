@@ -17,6 +17,7 @@ import jsonschema
 import pyarrow as pa
 import pytest
 
+from batchgen.engine.grammar import JSON_GAP_MAX_CHARS
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import (
     committed_rows,
@@ -51,16 +52,49 @@ def _report(out) -> dict:
     return json.loads((out / "_report.json").read_text())
 
 
+def json_gaps(text: str) -> list[str]:
+    """The whitespace runs of JSON text outside its strings (the layout's gaps)."""
+    gaps, run, in_string, escaped = [], "", False, False
+    for ch in text:
+        if in_string:
+            in_string = escaped or ch != '"'
+            escaped = not escaped and ch == "\\"
+        elif ch in " \t\r\n":
+            run += ch
+            continue
+        else:
+            in_string = ch == '"'
+        if run:
+            gaps.append(run)
+            run = ""
+    return gaps + ([run] if run else [])
+
+
+def test_json_gaps() -> None:
+    text = '{ "a b" :\n  "x\\" y",\t"c":[1,  2]}'
+    assert json_gaps(text) == [" ", " ", "\n  ", "\t", "  "]
+
+
+# A random model finds whitespace tokens wherever a gap allows them, so in the auto layout its
+# samples need room for JSON_GAP_MAX_CHARS whitespace characters in most gaps.
+@pytest.mark.parametrize("layout, max_tokens", [("auto", 192), ("compact", 64)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_json_schema_outputs_validate(tiny_model, tmp_path, seed) -> None:
-    sampling = {**BASE, "seed": seed, "structured": {"json_schema": SCHEMA}}
+def test_json_schema_outputs_validate(tiny_model, tmp_path, seed, layout, max_tokens) -> None:
+    structured = {"json_schema": SCHEMA, "json_layout": layout}
+    sampling = {**BASE, "seed": seed, "max_tokens": max_tokens, "structured": structured}
     rows = run_job(write_job(tmp_path, _model(tiny_model), PROMPTS, sampling=sampling))
     assert len(rows) == 2 * len(PROMPTS)
     stopped = [r for r in rows if r["finish_reason"] == "stop"]
     assert len(stopped) >= len(rows) // 2, [r["text"] for r in rows]
+    bound = JSON_GAP_MAX_CHARS if layout == "auto" else 0
+    for r in rows:
+        assert r["text"] == r["text"].lstrip()  # no whitespace before the value
+        assert all(len(gap) <= bound for gap in json_gaps(r["text"])), r["text"]
     for r in stopped:
+        assert r["text"] == r["text"].rstrip()  # nor after it
         jsonschema.validate(json.loads(r["text"]), SCHEMA)
-        assert r["text"] == r["text"].strip()  # no free whitespace
+    if layout == "auto":  # the random model does use the room it has
+        assert max(len(g) for r in rows for g in json_gaps(r["text"])) == bound
     report = _report(tmp_path / "out")["structured"]
     assert report["constrained_samples"] == len(rows)
     assert report["complete_samples"] == len(stopped)
@@ -193,7 +227,7 @@ def test_schema_file_and_json_object(tiny_model, tmp_path) -> None:
 
 INVARIANCE_SAMPLING = {
     "temperature": 0.8,
-    "max_tokens": 64,
+    "max_tokens": 192,  # room for the auto layout's gaps (see test_json_schema_outputs_validate)
     "n": 3,
     "seed": 11,
     "structured": {"json_schema": SCHEMA},

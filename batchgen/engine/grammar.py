@@ -25,10 +25,24 @@ import llguidance.hf
 import torch
 from torch import Tensor
 
-# JSON is generated compact (``,`` and ``:`` without spaces, no whitespace between tokens): free
+# JSON layouts (sampling.structured.json_layout). Whitespace never precedes the value nor
+# follows it, and outside strings it is only allowed in the gaps between JSON tokens (after
+# "{", "[", ",", around ":", before "}" and "]").
+#
+# auto: each gap holds at most JSON_GAP_MAX_CHARS whitespace characters. Models write JSON with
+# a space after ":" and ",", or a line break and indentation (``{\n  "name": "Bob",\n  ...``);
+# forcing them into another layout costs accuracy (README, "Structured outputs"). Unbounded
 # whitespace is the classic runaway (a model that prefers "\n" or " " emits it until
-# max_tokens), so JSON outputs allow none outside strings.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+# max_tokens); the bound lets a gap hold a line break ("\r\n" at most) and 16 columns of
+# indentation (4 levels at 4 spaces, 8 at 2), and caps what a whitespace-loving model can
+# waste at 18 characters per gap. llguidance matches the pattern once per gap (never repeated),
+# so the bound is on the whole gap.
+JSON_GAP_MAX_CHARS = 18
+JSON_LAYOUTS: dict[str, dict[str, Any]] = {
+    "auto": {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{1,{JSON_GAP_MAX_CHARS}}}"},
+    # compact: "," and ":" without spaces and no whitespace between tokens
+    "compact": {"whitespace_flexible": False},
+}
 
 
 class GrammarError(ValueError):
@@ -125,12 +139,13 @@ class GrammarCompiler:
             verbose_errors=False,
         )
 
-    def json_schema(self, schema_text: str) -> CompiledGrammar:
-        """A JSON value that validates against ``schema_text`` (a JSON schema, as JSON text)."""
+    def json_schema(self, schema_text: str, layout: str = "auto") -> CompiledGrammar:
+        """A JSON value that validates against ``schema_text`` (a JSON schema, as JSON text),
+        in ``layout`` (a key of :data:`JSON_LAYOUTS`)."""
         self._check_size(schema_text)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema_text, defaults=_JSON_OPTIONS
+                schema_text, defaults=JSON_LAYOUTS[layout]
             )
         except ValueError as err:
             raise GrammarError(_one_line(str(err))) from None
