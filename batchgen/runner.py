@@ -21,9 +21,9 @@ from batchgen.errors import JobError
 from batchgen.executors import Executor
 from batchgen.fingerprint import describe_fingerprint_mismatch, fingerprint
 from batchgen.job import Job
-from batchgen.model.config import read_model_info
+from batchgen.model.config import is_gguf, read_model_info
 from batchgen.model.hub import resolve_model
-from batchgen.model.loader import check_model, load_tokenizer, model_identity
+from batchgen.model.loader import check_model, describe_gguf, load_tokenizer, model_identity
 from batchgen.openai_batch import write_batch_output
 from batchgen.plan import (
     describe_engine,
@@ -75,6 +75,9 @@ def validate(job: Job) -> str:
         ),
         f"output:   {job.output.path} ({output})",
     ]
+    if is_gguf(job.model):
+        dtype = None if job.executor.kind == "ray" else resolve_placement(job).dtype
+        lines.insert(1, f"weights:  GGUF {describe_gguf(job.model, dtype)} (dequantized at load)")
     if job.executor.kind == "ray":
         _check_ray_installed()
         return "\n".join(

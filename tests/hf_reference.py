@@ -17,12 +17,23 @@ ARCHS: dict[str, dict] = {
 }
 
 
+def hf_model(model: str | Path, dtype: torch.dtype = torch.float32):
+    """transformers' model of a model folder, or of a ``.gguf`` file (read by transformers' own
+    GGUF loader: dequantized into ``dtype``), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model)
+    if path.suffix == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return hf.eval()
+
+
 def hf_greedy(model_dir: Path, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
     """transformers' greedy ``generate`` of each prompt alone: the new token ids (up to
     ``max_new``, ending early at the model's EOS)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_model(model_dir)
     outs = []
     for ids in prompt_ids:
         x = torch.tensor([ids])
@@ -36,8 +47,6 @@ def hf_greedy(model_dir: Path, prompt_ids: list[list[int]], max_new: int) -> lis
 
 def hf_logits(model_dir: Path, seqs: list[list[int]]) -> list[torch.Tensor]:
     """transformers' teacher-forced logits of each sequence alone, ``[len, vocab]`` fp32."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_model(model_dir)
     with torch.no_grad():
         return [hf(torch.tensor([s])).logits[0].float() for s in seqs]

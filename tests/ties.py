@@ -54,12 +54,10 @@ STATS = TieStats()  # summed over the session, printed by conftest
 
 @functools.lru_cache(maxsize=4)
 def _reference(model_dir: str) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM
-
     from batchgen.model.loader import load_tokenizer
+    from tests.hf_reference import hf_model
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return hf, load_tokenizer(model_dir)
+    return hf_model(model_dir), load_tokenizer(model_dir)
 
 
 def _scores(

@@ -23,7 +23,9 @@ __all__ = [
     "ModelConfig",
     "ModelInfo",
     "RopeConfig",
+    "is_gguf",
     "model_info",
+    "parse_config",
     "read_model_config",
     "read_model_info",
 ]
@@ -128,9 +130,20 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
+def is_gguf(model: str | Path) -> bool:
+    """Whether ``model`` names a GGUF file (llama.cpp's format) rather than a model folder."""
+    return Path(model).suffix.lower() == ".gguf"
+
+
 def model_path(model_dir: str | Path) -> Path:
-    """The model folder as a Path, after checking it exists and can be read."""
+    """The model folder (or GGUF file) as a Path, after checking it exists and can be read."""
     path = Path(model_dir)
+    if is_gguf(path):
+        if not path.is_file():
+            raise ModelError(f"model file not found: {path}")
+        if not os.access(path, os.R_OK):
+            raise ModelError(f"cannot read model file {path}: permission denied")
+        return path
     if not path.is_dir():
         raise ModelError(f"model folder not found: {path}")
     if not os.access(path, os.R_OK | os.X_OK):
@@ -216,10 +229,25 @@ def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
 
 
 def read_model_config(model_dir: str | Path) -> tuple[ModelConfig, tuple[int, ...]]:
-    """Parse and check ``config.json`` (plus ``generation_config.json`` for EOS ids)."""
+    """Parse and check ``config.json`` (plus ``generation_config.json`` for EOS ids); for a
+    ``.gguf`` file, the same from its metadata (:mod:`batchgen.model.gguf`)."""
     root = model_path(model_dir)
+    if is_gguf(root):
+        from batchgen.model.gguf import GgufModel
+
+        raw, eos = GgufModel.open(root).config_dict()
+        return parse_config(raw, root), eos
     path = root / "config.json"
     raw = read_json(path, "config.json")
+    eos = _eos_ids(raw.get("eos_token_id"))
+    gen_path = root / "generation_config.json"
+    if gen_path.is_file():
+        eos += _eos_ids(read_json(gen_path, "generation_config.json").get("eos_token_id"))
+    return parse_config(raw, path), tuple(dict.fromkeys(eos))
+
+
+def parse_config(raw: dict[str, Any], path: Path) -> ModelConfig:
+    """Check a config.json object (``path`` names where it came from, for messages)."""
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise ModelError(f"config.json {path} names no architecture ('architectures' is missing)")
@@ -272,7 +300,7 @@ def read_model_config(model_dir: str | Path) -> tuple[ModelConfig, tuple[int, ..
     qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
     o_bias = attention_bias and arch != "Qwen2ForCausalLM"
     mlp_bias = bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM"
-    cfg = ModelConfig(
+    return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -290,12 +318,6 @@ def read_model_config(model_dir: str | Path) -> tuple[ModelConfig, tuple[int, ..
         qk_norm=arch == "Qwen3ForCausalLM",
         rope=rope,
     )
-
-    eos = _eos_ids(raw.get("eos_token_id"))
-    gen_path = root / "generation_config.json"
-    if gen_path.is_file():
-        eos += _eos_ids(read_json(gen_path, "generation_config.json").get("eos_token_id"))
-    return cfg, tuple(dict.fromkeys(eos))
 
 
 def model_info(cfg: ModelConfig, eos: tuple[int, ...]) -> ModelInfo:

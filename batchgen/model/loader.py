@@ -1,8 +1,9 @@
-"""Hugging Face model folders -> our modules (weights), tokenizer and identity.
+"""Hugging Face model folders and GGUF files -> our modules (weights), tokenizer and identity.
 
 A model folder holds ``config.json``, weights as ``*.safetensors`` (one file, or shards listed in
 ``model.safetensors.index.json``), tokenizer files and optionally ``generation_config.json``.
-config.json is parsed by :mod:`batchgen.model.config`.
+config.json is parsed by :mod:`batchgen.model.config`. A ``.gguf`` file instead holds all of it
+(:mod:`batchgen.model.gguf` maps it onto the same config and Hugging Face tensor names).
 Every problem is a ``ModelError`` whose message is one line naming the problem and the path.
 """
 
@@ -22,6 +23,7 @@ from batchgen.model.attention import AttentionBackend
 from batchgen.model.config import (
     ModelConfig,
     ModelInfo,
+    is_gguf,
     model_info,
     model_path,
     one_line,
@@ -33,6 +35,7 @@ from batchgen.model.llama import LlamaForCausalLM
 
 __all__ = [
     "check_model",
+    "describe_gguf",
     "load_model",
     "load_tokenizer",
     "model_identity",
@@ -203,6 +206,9 @@ def check_model(model_dir: str | Path) -> None:
     written, so a half-copied model folder is refused before the job touches its output folder.
     """
     root = model_path(model_dir)
+    if is_gguf(root):
+        _check_gguf_weights(root, *read_model_config(root))
+        return
     try:
         broken = sorted(
             p for p in root.iterdir() if p.suffix in _LINKABLE_SUFFIXES and not p.exists()
@@ -232,11 +238,8 @@ def load_model(
     packed GEMM weights (MKL on CPU fp32, oneDNN on CPU bf16) where available; ``native=False``:
     PyTorch ops only.
     """
-    from safetensors import safe_open
-
     root = model_path(model_dir)
     cfg, eos = read_model_config(root)
-    files = _check_weights(root, cfg)
     plan = _weight_plan(cfg)
 
     # Modules are built on the meta device (no memory, no random init); real tensors are
@@ -248,22 +251,11 @@ def load_model(
     assert set(expected) == set(plan), sorted(set(expected) ^ set(plan))
 
     needed = {hf for names in plan.values() for hf in names}
-    by_file: dict[Path, list[str]] = {}
-    for hf in needed:
-        by_file.setdefault(files[hf], []).append(hf)
-
-    loaded: dict[str, torch.Tensor] = {}
-    for file, names in sorted(by_file.items()):
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for hf in sorted(names):
-                    loaded[hf] = f.get_tensor(hf).to(device=device, dtype=dtype)
-        except ModelError:
-            raise
-        except Exception as err:
-            raise ModelError(
-                f"corrupt or truncated safetensors file {file}: {one_line(err)}"
-            ) from None
+    if is_gguf(root):
+        gguf = _check_gguf_weights(root, cfg, eos)
+        loaded = {hf: gguf.load(hf, dtype, device) for hf in sorted(needed)}
+    else:
+        loaded = _load_safetensors(root, cfg, needed, device, dtype)
 
     state: dict[str, torch.Tensor] = {}
     for ours, hf_names in plan.items():
@@ -282,6 +274,58 @@ def load_model(
     model.eval().requires_grad_(False)
     model.pack_weights()
     return model, model_info(cfg, eos)
+
+
+def _load_safetensors(
+    root: Path, cfg: ModelConfig, needed: set[str], device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The HF tensors ``needed`` from a folder's safetensors files, cast to ``dtype``."""
+    from safetensors import safe_open
+
+    files = _check_weights(root, cfg)
+    by_file: dict[Path, list[str]] = {}
+    for hf in needed:
+        by_file.setdefault(files[hf], []).append(hf)
+    loaded: dict[str, torch.Tensor] = {}
+    for file, names in sorted(by_file.items()):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for hf in sorted(names):
+                    loaded[hf] = f.get_tensor(hf).to(device=device, dtype=dtype)
+        except Exception as err:
+            raise ModelError(
+                f"corrupt or truncated safetensors file {file}: {one_line(err)}"
+            ) from None
+    return loaded
+
+
+def _check_gguf_weights(root: Path, cfg: ModelConfig, eos: tuple[int, ...]) -> Any:
+    """The opened GGUF file, after checking that every tensor the model needs is there with the
+    shape its metadata implies (from the tensor index alone) and that it names an EOS token."""
+    from batchgen.model.gguf import GgufModel, gguf_name
+
+    gguf = GgufModel.open(root)
+    expected = _hf_shapes(cfg)
+    for hf in sorted({hf for names in _weight_plan(cfg).values() for hf in names}):
+        shape = gguf.shape(hf)
+        if shape is None:
+            raise ModelError(f"tensor {gguf_name(hf)} missing from GGUF file {root}")
+        if shape != expected[hf]:
+            raise ModelError(
+                f"weight shape mismatch in {root}: {gguf_name(hf)} is {shape}; its metadata "
+                f"implies {expected[hf]}"
+            )
+    if not eos:
+        raise ModelError(f"GGUF file {root} names no EOS token (tokenizer.ggml.eos_token_id)")
+    return gguf
+
+
+def describe_gguf(path: str | Path, dtype: torch.dtype | None) -> str:
+    """A GGUF file's tensor types and its size after dequantizing to ``dtype`` (float32 when
+    not yet decided), for validate."""
+    from batchgen.model.gguf import GgufModel
+
+    return GgufModel.open(model_path(path)).describe(dtype or torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,6 +352,10 @@ def _check_tokenizer_files(root: Path) -> None:
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The model's tokenizer via ``AutoTokenizer`` (local files only, never the network)."""
     root = model_path(model_dir)
+    if is_gguf(root):
+        from batchgen.model.gguf import GgufModel
+
+        return GgufModel.open(root).tokenizer()
     _check_tokenizer_files(root)
     from transformers import AutoTokenizer
 
@@ -359,6 +407,13 @@ def _identity(root: Path) -> str:
     def add(label: str, data: bytes) -> None:
         digest.update(label.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
 
+    if is_gguf(root):
+        from batchgen.model.gguf import GgufModel
+
+        for label, data in GgufModel.open(root).identity_parts():
+            add(label, data)
+        add("gguf:sample", _sample_bytes(root))
+        return digest.hexdigest()
     for name in ("config.json", "generation_config.json", *_TOKENIZER_FILES):
         path = root / name
         if path.is_file():
