@@ -16,6 +16,7 @@ import time
 import jsonschema
 import pyarrow as pa
 import pytest
+import torch
 
 from batchgen.engine.grammar import JSON_GAP_MAX_CHARS
 from batchgen.tiny_model import make_prompts
@@ -99,6 +100,66 @@ def test_json_schema_outputs_validate(tiny_model, tmp_path, seed, layout, max_to
     assert report["constrained_samples"] == len(rows)
     assert report["complete_samples"] == len(stopped)
     assert report["compile_s"] > 0 and 0 <= report["mask_share"] < 1
+
+
+NESTED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "people": {"type": "array", "items": SCHEMA, "minItems": 2, "maxItems": 2},
+        "note": {"type": "string", "maxLength": 8},
+    },
+    "required": ["people", "note"],
+    "additionalProperties": False,
+}
+
+
+def whitespace_loving_decode(model_dir, layout: str, schema: dict) -> tuple[str, bool]:
+    """Greedy decoding under the grammar with rigged logits: random ones, plus 100 on every
+    token that is all whitespace (so the mask alone must end each gap). Returns the text and
+    whether the grammar accepted it when EOS came."""
+    from batchgen.engine.grammar import GrammarCompiler, apply_masks
+    from batchgen.model.config import read_model_info
+    from batchgen.model.loader import load_tokenizer
+
+    tokenizer, info = load_tokenizer(model_dir), read_model_info(model_dir)
+    vocab = info.vocab_size
+    spaces = [i for i in range(len(tokenizer)) if (t := tokenizer.decode([i])) and t.isspace()]
+    assert len(spaces) >= 4, "a vocabulary with whitespace tokens"
+    bias = torch.zeros(vocab)
+    bias[spaces] = 100.0
+    matcher = GrammarCompiler(tokenizer, vocab, info.eos_token_ids).json_schema(
+        json.dumps(schema), layout
+    ).start()
+    generator = torch.Generator().manual_seed(0)
+    ids: list[int] = []
+    for _ in range(2000):
+        logits = torch.randn(1, vocab, generator=generator) + bias
+        apply_masks(logits, [matcher])
+        token = int(logits.argmax())
+        if token in info.eos_token_ids:
+            return tokenizer.decode(ids), matcher.accepting
+        matcher.consume(token)
+        ids.append(token)
+    raise AssertionError(f"no EOS after {len(ids)} tokens: {tokenizer.decode(ids)!r}")
+
+
+@pytest.mark.parametrize("layout", ["auto", "compact"])
+@pytest.mark.parametrize("model", ["tiny", "real"])
+def test_whitespace_loving_model_ends_within_the_bound(tiny_model, model, layout) -> None:
+    """No runaway: a model that always prefers whitespace writes at most JSON_GAP_MAX_CHARS
+    whitespace characters per gap (auto) or none (compact), and its JSON validates."""
+    from tests import real_model
+
+    model_dir = _model(tiny_model) if model == "tiny" else real_model.gguf()
+    text, accepted = whitespace_loving_decode(model_dir, layout, NESTED_SCHEMA)
+    assert accepted, text
+    jsonschema.validate(json.loads(text), NESTED_SCHEMA)
+    assert text == text.strip()
+    gaps = [len(g) for g in json_gaps(text)]
+    if layout == "compact":
+        assert gaps == [], text
+    else:  # the bias fills gaps to the bound, and the mask ends each one there
+        assert max(gaps) == JSON_GAP_MAX_CHARS, text
 
 
 @pytest.mark.parametrize("seed", [0, 3])
