@@ -162,6 +162,46 @@ def test_whitespace_loving_model_ends_within_the_bound(tiny_model, model, layout
         assert max(gaps) == JSON_GAP_MAX_CHARS, text
 
 
+def allowed_tokens(matcher, vocab: int) -> set[int]:
+    """The token ids a matcher allows next."""
+    words = torch.empty((vocab + 31) // 32, dtype=torch.int32)
+    matcher.fill_mask(words)
+    bits = ((words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)[:vocab]
+    return set(bits.nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("model", ["tiny", "real"])
+@pytest.mark.parametrize(
+    "choices", [["positive", "negative", "neutral"], [" positive", " negative", " neutral"]]
+)
+def test_choice_starts_with_its_own_first_token(tiny_model, model, choices) -> None:
+    """A choice's first token is that of its own tokenization (so no bare " " before a word);
+    the rest may be spelled in any tokenization; and a sample ends only on a whole choice."""
+    from batchgen.engine.grammar import GrammarCompiler
+    from batchgen.model.config import read_model_info
+    from batchgen.model.loader import load_tokenizer
+    from tests import real_model
+
+    model_dir = _model(tiny_model) if model == "tiny" else real_model.gguf()
+    tokenizer, info = load_tokenizer(model_dir), read_model_info(model_dir)
+    compiled = GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids).choice(choices)
+    canonical = {c: tokenizer.encode(c, add_special_tokens=False) for c in choices}
+    first = allowed_tokens(compiled.start(), info.vocab_size)
+    assert first == {ids[0] for ids in canonical.values()}, [tokenizer.decode([i]) for i in first]
+    assert not any(tokenizer.decode([i]).isspace() for i in first)
+    for choice, ids in canonical.items():
+        matcher = compiled.start()
+        matcher.consume(ids[0])
+        rest = choice[len(tokenizer.decode(ids[:1])) :]
+        if not rest:
+            assert matcher.accepting
+            continue
+        assert not matcher.accepting
+        # the rest's first character alone is allowed, though the tokenizer merges it
+        single = tokenizer.encode(rest[0], add_special_tokens=False)
+        assert len(single) == 1 and single[0] in allowed_tokens(matcher, info.vocab_size)
+
+
 @pytest.mark.parametrize("seed", [0, 3])
 def test_choice_regex_and_grammar(tiny_model, tmp_path, seed) -> None:
     model = _model(tiny_model)

@@ -1,9 +1,8 @@
-"""Structured outputs on the real model (SmolLM2-135M-Instruct, tests/real_model.py): a JSON
-schema must cut off invalid outputs without costing the model accuracy.
+"""Structured outputs on the real model (SmolLM2-135M-Instruct, tests/real_model.py): a
+constraint must cut off invalid outputs without costing the model accuracy.
 
-The labelled extraction set (tests/extraction.py) is run twice through the CLI, greedy, in
-float32: unconstrained, and with the schema in the default layout. Figures are printed (``-s``)
-and quoted in the README ("Structured outputs").
+Labelled sets (tests/extraction.py, tests/sentiment.py) run through the CLI, greedy, in
+float32. Figures are printed (``-s``) and quoted in the README ("Structured outputs").
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import json
 import jsonschema
 import pyarrow as pa
 
-from tests import extraction, real_model
+from tests import extraction, real_model, sentiment
 from tests.jobkit import run_job, write_job
 
 ROWS = 60
@@ -55,3 +54,43 @@ def test_json_schema_keeps_the_models_extraction_accuracy(tmp_path) -> None:
     )
     for field in extraction.FIELDS:
         assert schema[field] >= free[field], (field, schema, free)
+
+
+def test_choice_is_exact_and_starts_with_a_whole_word(tmp_path) -> None:
+    """``choice`` outputs are exactly a choice. With a leading space (for completion prompts)
+    the pinned first token keeps a greedy model off the bare " " token, which the same choices
+    in any tokenization (a ``grammar``) let it take; in chat, choices without a space fit the
+    answer's first token."""
+    model = real_model.gguf()
+    reviews = sentiment.reviews()
+    labels = [label for _, label in reviews]
+    spaced = [f" {label}" for label in sentiment.LABELS]
+    any_tokenization = "start: " + " | ".join(json.dumps(c) for c in spaced) + "\n"
+    cases = {
+        "completion, choice": ("prompt", {"choice": spaced}),
+        "completion, grammar": ("prompt", {"grammar": any_tokenization}),
+        "chat, choice": ("messages", {"choice": list(sentiment.LABELS)}),
+    }
+    correct = {}
+    for name, (column, structured) in cases.items():
+        prompts = [
+            sentiment.completion_prompt(r) if column == "prompt" else sentiment.chat_messages(r)
+            for r, _ in reviews
+        ]
+        table = pa.table({"id": list(range(len(reviews))), column: prompts})
+        extra = {"messages_column": "messages"} if column == "messages" else {}
+        sampling = {"temperature": 0, "max_tokens": 4, "structured": structured}
+        job = write_job(
+            tmp_path / name.replace(", ", "-"), model, table=table, sampling=sampling,
+            input_extra=extra,
+        )  # fmt: skip
+        rows = run_job(job)
+        texts = [r["text"] for r in rows]
+        choices = structured.get("choice", spaced)
+        assert all(r["finish_reason"] == "stop" for r in rows) and set(texts) <= set(choices)
+        if "choice" in structured:
+            assert all(r["num_output_tokens"] == 1 for r in rows), texts  # one word, one token
+        correct[name] = sum(t.strip() == label for t, label in zip(texts, labels, strict=True))
+    print(f"\n{len(reviews)} reviews, correct labels: {correct}")
+    assert correct["completion, choice"] >= correct["completion, grammar"]
+    assert correct["chat, choice"] >= correct["completion, choice"]

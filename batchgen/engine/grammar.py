@@ -129,6 +129,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.limits = limits
         self.seconds = 0.0
+        self._hf_tokenizer = tokenizer
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids)
         )
@@ -163,9 +164,27 @@ class GrammarCompiler:
         return self._compile(llguidance.LLMatcher.grammar_from_lark(f"start: /{lark_regex}/\n"))
 
     def choice(self, choices: Sequence[str]) -> CompiledGrammar:
-        """Exactly one of ``choices``."""
-        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-        return self.lark(f"start: {alternatives}\n")
+        """Exactly one of ``choices``, whose first token is the first token of the choice's own
+        tokenization; the tokens after it are free (any tokenization of the rest).
+
+        The output text is the choice exactly. Without the first token pinned, a choice that
+        starts with a space (" positive") could begin with a bare " " token: a greedy model
+        takes it (its probability is that of a space before any word), then has to spell the
+        word without its space, a tokenization it never saw (README, "Structured outputs").
+        When a choice's first token does not decode to a prefix of it (a byte split inside a
+        character), that choice is taken in any tokenization.
+        """
+        alternatives = []
+        for choice in choices:
+            ids = self._hf_tokenizer.encode(choice, add_special_tokens=False)
+            head = self._hf_tokenizer.decode(ids[:1]) if ids else ""
+            if head and choice.startswith(head) and ids[0] < self.vocab_size:
+                rest = choice[len(head) :]
+                tail = f" {json.dumps(rest, ensure_ascii=False)}" if rest else ""
+                alternatives.append(f"<[{ids[0]}]>{tail}")
+            else:
+                alternatives.append(json.dumps(choice, ensure_ascii=False))
+        return self.lark(f"start: {' | '.join(alternatives)}\n")
 
     def lark(self, grammar: str) -> CompiledGrammar:
         """A Lark-syntax grammar (llguidance's dialect) whose start rule is ``start``."""
