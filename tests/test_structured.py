@@ -293,6 +293,22 @@ def test_per_row_schemas(tiny_model, tmp_path) -> None:
     assert stopped >= len(shapes), [r["text"] for r in rows]
 
 
+def test_row_schemas_follow_json_layout(tiny_model, tmp_path) -> None:
+    """``structured: {json_layout: ...}`` alone sets the layout of the rows' own schemas."""
+    texts = [json.dumps(SCHEMA)] * 6
+    table = pa.table({"id": list(range(6)), "prompt": PROMPTS[:6], "schema": texts})
+    gaps = {}
+    for layout in ("auto", "compact"):
+        sampling = {**BASE, "seed": 5, "max_tokens": 32, "structured": {"json_layout": layout}}
+        job = write_job(
+            tmp_path / layout, _model(tiny_model), table=table, sampling=sampling,
+            input_extra={"schema_column": "schema"},
+        )  # fmt: skip
+        gaps[layout] = [len(g) for r in run_job(job) for g in json_gaps(r["text"])]
+    assert gaps["compact"] == []
+    assert 0 < max(gaps["auto"]) <= JSON_GAP_MAX_CHARS
+
+
 def test_invalid_job_schema_exits_2_before_the_output_folder(tiny_model, tmp_path) -> None:
     model = _model(tiny_model)
     cases = [

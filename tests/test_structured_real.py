@@ -11,6 +11,7 @@ import json
 
 import jsonschema
 import pyarrow as pa
+import pytest
 
 from tests import extraction, real_model, sentiment
 from tests.jobkit import run_job, write_job
@@ -19,6 +20,7 @@ ROWS = 60
 MAX_TOKENS = 48
 
 
+@pytest.mark.timeout(600)  # about 20 s on two idle cores; a loaded machine takes far longer
 def test_json_schema_keeps_the_models_extraction_accuracy(tmp_path) -> None:
     model = real_model.gguf()
     examples = extraction.examples(ROWS)
