@@ -316,6 +316,9 @@ def test_invalid_job_schema_exits_2_before_the_output_folder(tiny_model, tmp_pat
         ({"regex": "(ab"}, "sampling.structured.regex"),
         ({"grammar": "start: nothing_here"}, "sampling.structured.grammar"),
         ({"json_schema_file": "missing.json"}, "json_schema_file"),
+        ({"json": True, "json_layout": "tight"}, "sampling.structured.json_layout: must be"),
+        ({"choice": ["a", "b"], "json_layout": "compact"}, "json_layout applies to JSON"),
+        ({"json_layout": "compact"}, "sampling.structured.json_layout: there is no JSON"),
     ]
     for i, (structured, needle) in enumerate(cases):
         job = write_job(tmp_path / str(i), model, PROMPTS, sampling={"structured": structured})
