@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO := demo
 
-.PHONY: setup demo test test-all bench lint clean
+.PHONY: setup demo test test-all bench lint clean real-model
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,10 @@ test: setup
 test-all: setup
 	$(BIN)/lint-imports
 	$(BIN)/pytest -x
+
+# the real model of the demo and the tests (SmolLM2-135M-Instruct, Q4_1 GGUF), once per machine
+real-model: setup
+	$(BIN)/python scripts/fetch_real_model.py
 
 bench: setup
 	$(BIN)/python scripts/bench.py

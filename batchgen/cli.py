@@ -32,6 +32,7 @@ import click
 
 from batchgen.errors import BatchgenError, OutputFullError
 from batchgen.job import Job, apply_override, load_job, parse_job
+from batchgen.layout import LOGS_PREFIX
 from batchgen.signals import EXIT_INTERRUPTED, Interrupted, exit_at_once
 
 EXIT_INTERNAL = 1
@@ -52,8 +53,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _write_traceback(exc: BaseException, log_dir: Path | None) -> Path:
-    """Write the traceback to ``log_dir/_batchgen-error-<time>.log`` (``_``: Parquet readers
-    skip it), or to a temp file when there is no usable folder. Returns the file's path."""
+    """Write the traceback to ``log_dir/.batchgen/logs/error-<time>.log`` (hidden: readers of
+    the output folder never meet it), or to a temp file when there is no usable folder. Returns
+    the file's path."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     text = (
         f"command: {shlex.join(sys.argv)}\n"
@@ -61,8 +63,9 @@ def _write_traceback(exc: BaseException, log_dir: Path | None) -> Path:
         + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     )
     if log_dir is not None and log_dir.is_dir():
-        path = log_dir / f"_batchgen-error-{stamp}.log"
+        path = log_dir / LOGS_PREFIX / f"error-{stamp}.log"
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
             return path
         except OSError:

@@ -622,10 +622,11 @@ def _resolve_paths(job: Job, base: Path) -> Job:
         return os.path.normpath(base / Path(p).expanduser())
 
     def model_path(p: Path) -> Path:
-        # org/name that is not a local path is a hub id: kept as given
+        # org/name that is not a local path is a hub id: kept as given (a .gguf is a file)
         local = Path(absolute(p))
         text = p.as_posix()
-        if not p.is_absolute() and _HUB_ID_RE.match(text) and not local.exists():
+        hub = _HUB_ID_RE.match(text) and p.suffix.lower() != ".gguf"
+        if not p.is_absolute() and hub and not local.exists():
             return p
         return local
 

@@ -1,27 +1,35 @@
 """Parquet out: part files, the manifest, the report. Durable and resumable.
 
 One noun, the output folder: its inspection (shared by ``validate`` and ``open``), its commit
-protocol and the writer that feeds it, kept together (about 540 lines) because each relies on the
+protocol and the writer that feeds it, kept together (about 900 lines) because each relies on the
 others' invariants; the file primitives are in :mod:`batchgen.storage`, status in
 :mod:`batchgen.status`.
 
-Layout of an output folder (SPEC "The output folder")::
+Layout of an output folder (SPEC "The output folder"; the names are :mod:`batchgen.layout`'s)::
 
-    part-00000.parquet     results; each holds whole input rows (all n samples of a row)
+    part-00000.parquet              results; each holds whole input rows (all n samples of a row)
     part-00001.parquet
-    _manifest.json         the source of truth: which parts are committed (see below)
-    _report.json           written when a job ends
-    .batchgen.lock         held (flock) while a job writes here
-    .part-00002.parquet.tmp, ._manifest.json.tmp   temp names while a commit is in flight
+    .batchgen/manifest.json         a record of the committed parts (see below)
+    .batchgen/report.json           written when a job ends
+    .batchgen/lock                  held (flock) while a job writes here
+    .batchgen/staging/part-00002.parquet   a part being written, not committed
+    .batchgen/.manifest.json.tmp    the temp name while the manifest is replaced
 
-Every bookkeeping file starts with ``_`` or ``.``, so Parquet readers (pyarrow.dataset, pandas,
-DuckDB, Hugging Face datasets) see exactly the part files.
+The part files are the only visible files, so Parquet readers (pyarrow.dataset, pandas, DuckDB,
+polars over ``*.parquet``, Hugging Face datasets) see exactly the committed parts. Folders in the
+earlier layout (``_manifest.json`` beside the parts) are moved into it when a job opens them
+(:mod:`batchgen.legacy_layout`).
 
-Commit protocol (durability by rename): buffered rows are written to a temp name, fsynced, renamed
-to ``part-NNNNN.parquet``, the folder is fsynced, and only then the manifest is rewritten (temp,
-fsync, rename, fsync folder). Invariant: **a part file is committed iff the manifest lists it.**
-A crash at any step leaves either the old manifest (the new part, if renamed already, is an orphan
-that the next open deletes, and its rows are generated again) or the new one; never a row twice.
+Commit protocol, local (durability by rename): the buffered rows are written to
+``.batchgen/staging/part-NNNNN.parquet`` and fsynced, then renamed to ``part-NNNNN.parquet`` and
+the folder fsynced: **that rename is the commit** (the folder is locked, so no other writer
+exists). Then the manifest is rewritten (temp, fsync, rename, fsync) to list the part.
+Invariant: **the committed parts are the part files in the folder, and the manifest lists every
+one of them but at most the newest** (numbered ``next_part``: the rename happened, the manifest
+update did not). Opening the folder records that one (:meth:`OutputFolder._open_locked`), deletes
+whatever is in staging (never committed) and drops listed parts whose file is missing (their rows
+are generated again). A reader therefore sees exactly the committed rows at every moment, also
+after a ``kill -9``: a part appears whole, under its final name, at the instant it is committed.
 
 Manifest (JSON)::
 
@@ -38,24 +46,25 @@ Manifest (JSON)::
 ``errors`` counts output rows whose ``finish_reason`` is ``error``.
 
 On object storage (``output.path: s3://bucket/prefix``, :class:`ObjectOutputFolder`) there is
-no rename and no lock, so the protocol differs in how, not in what it guarantees:
+no rename and no lock, so the commit point is the manifest instead:
 
-    _staging/part-00002-<writer token>.parquet   a part written, not yet published
-    _lease/<writer token>.json                   the writer's lease (storage.ObjectLease)
+    .batchgen/staging/part-00002-<writer token>.parquet   a part written, not yet published
+    .batchgen/lease/<writer token>.json                   the writer's lease (storage.ObjectLease)
 
 1. The part is written (one PUT) under a unique staging name: no writer, stale or not, ever
-   overwrites another's staged part. ``_``: readers skip the whole ``_staging/`` prefix.
+   overwrites another's staged part. Readers skip the hidden ``.batchgen/`` prefix.
 2. The manifest is written (one PUT), listing the part by its final name and its staged name.
-   **This is the commit point**: a part is committed iff the manifest lists it.
+   **This is the commit point**: a part is committed iff the manifest lists it. (A writer that
+   lost its lease may still PUT; its manifest is one whole view, so no row is listed twice,
+   which publishing first could not promise: two writers' copies to one final name.)
 3. The staged part is copied (server-side) to ``part-NNNNN.parquet``, then deleted.
 
-Readers of the prefix (pyarrow.dataset, pandas, DuckDB over ``s3://``) therefore see only
-committed rows, also while a job runs and after a crash: a part appears under its final name
-only after the manifest lists it. Copying after the commit (rather than writing the final name
-first, as the local protocol renames before it) is what buys that; it costs a server-side copy
-per part. Opening the folder rolls a crash forward: a listed part whose final object is missing
-is copied from its staged object (or, if that is gone too, dropped from the manifest: its rows
-are generated again); staged objects and ``part-*`` objects the manifest does not list were
+Readers of the prefix (pyarrow.dataset, pandas, DuckDB over ``s3://``) therefore never see an
+uncommitted row, also while a job runs and after a crash: a part appears under its final name
+only after the manifest lists it. A crash between steps 2 and 3 hides the newest committed part
+from them until the next open, which rolls it forward: a listed part whose final object is
+missing is copied from its staged object (or, if that is gone too, dropped from the manifest: its
+rows are generated again); staged objects and ``part-*`` objects the manifest does not list were
 never committed and are deleted. Before each manifest write the writer checks its lease.
 """
 
@@ -64,9 +73,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import functools
 import json
 import os
-import re
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -75,13 +85,29 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.errors import JobError, OutputFullError
 from batchgen.fingerprint import describe_fingerprint_mismatch, upgrade_numerics
+from batchgen.layout import (
+    HIDDEN_DIR,
+    LEGACY_MANIFEST_NAME,
+    LEGACY_REPORT_NAME,
+    LEGACY_STAGING_PREFIX,
+    LOCK_NAME,
+    MANIFEST_FILE,
+    MANIFEST_NAME,
+    PART_RE,
+    REPORT_FILE,
+    REPORT_NAME,
+    STAGING_DIR,
+    STAGING_PREFIX,
+    part_name,
+)
+from batchgen.legacy_layout import migrate_local, migrate_objects
 from batchgen.schema import Totals
 from batchgen.storage import (
-    STAGING_PREFIX,
     ObjectFolder,
     ObjectLease,
     StorageSettings,
@@ -93,16 +119,12 @@ from batchgen.storage import (
     write_durably,
 )
 
-MANIFEST_NAME = "_manifest.json"
-REPORT_NAME = "_report.json"
-LOCK_NAME = ".batchgen.lock"
 MANIFEST_FORMAT = "batchgen-output"
 MANIFEST_VERSION = 1
 
-_PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
-# Temp names of our own atomic writes: "." + final name + ".tmp".
-_TEMP_RE = re.compile(r"^\.(part-\d{5,}\.parquet|_manifest\.json|_report\.json)\.tmp$")
-_RESULT_FILES = (MANIFEST_NAME, REPORT_NAME)
+# Both layouts' manifest and report: what --fresh deletes besides the parts.
+_RESULT_FILES = (MANIFEST_NAME, REPORT_NAME, LEGACY_MANIFEST_NAME, LEGACY_REPORT_NAME)
+_STAGING_PREFIXES = (STAGING_PREFIX, LEGACY_STAGING_PREFIX)
 
 # Called with a step name between the steps of a commit; tests raise in it to simulate a crash.
 StepHook = Callable[[str], None]
@@ -115,30 +137,57 @@ def read_manifest(
     folder: Path | str, storage: StorageSettings | None = None
 ) -> dict[str, Any] | None:
     """The manifest, None if there is none. Raises JobError if it is unreadable or not ours.
-    ``folder`` may be an ``s3://`` URI (``storage``: the job's ``storage:`` section)."""
+    ``folder`` may be an ``s3://`` URI (``storage``: the job's ``storage:`` section). A folder in
+    the earlier layout (not migrated yet) is read as well."""
+    return _parse_manifest(str(folder), *_manifest_bytes(_reader(folder, storage)))
+
+
+def _reader(folder: Path | str, storage: StorageSettings | None) -> Callable[[str], bytes | None]:
+    """Reads a file of the folder by its name (None if missing): an object or a local file."""
     if is_uri(folder):
-        return _parse_manifest(str(folder), ObjectFolder(str(folder), storage).read_bytes)
-    path = Path(folder) / MANIFEST_NAME
+        return ObjectFolder(str(folder), storage).read_bytes
+    return functools.partial(_read_local, Path(folder))
+
+
+def _read_local(folder: Path, name: str) -> bytes | None:
     try:
-        raw: bytes | None = path.read_bytes()
+        return (folder / name).read_bytes()
     except FileNotFoundError:
-        raw = None
+        return None
     except OSError as err:
-        raise JobError(f"output folder {folder}: cannot read {MANIFEST_NAME}: {err}") from None
-    return _parse_manifest(str(folder), lambda _name: raw)
+        raise JobError(f"output folder {folder}: cannot read {name}: {err}") from None
 
 
-def _parse_manifest(folder: str, read: Callable[[str], bytes | None]) -> dict[str, Any] | None:
+def _manifest_bytes(read: Callable[[str], bytes | None]) -> tuple[str, bytes | None]:
+    """Which manifest a folder has and its bytes: the new layout's if it has one (it has been
+    migrated, batchgen/legacy_layout.py), else the earlier layout's; None when neither exists."""
     raw = read(MANIFEST_NAME)
+    if raw is not None:
+        return MANIFEST_NAME, raw
+    return LEGACY_MANIFEST_NAME, read(LEGACY_MANIFEST_NAME)
+
+
+def read_report(folder: Path | str, storage: StorageSettings | None = None) -> Any:
+    """The report (parsed JSON) of the folder's last run, in either layout; None if there is
+    none or it is unreadable (it is informational: a report never blocks anything)."""
+    read = _reader(folder, storage)
+    try:
+        raw = read(REPORT_NAME) or read(LEGACY_REPORT_NAME)
+        return json.loads(raw) if raw is not None else None
+    except (JobError, ValueError):
+        return None
+
+
+def _parse_manifest(folder: str, name: str, raw: bytes | None) -> dict[str, Any] | None:
     if raw is None:
         return None
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise JobError(f"output folder {folder}: cannot read {MANIFEST_NAME}: {err}") from None
+        raise JobError(f"output folder {folder}: cannot read {name}: {err}") from None
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         raise JobError(
-            f"output folder {folder} holds a {MANIFEST_NAME} that batchgen did not write; "
+            f"output folder {folder} holds a {name} that batchgen did not write; "
             "choose another output.path"
         )
     if data.get("version") != MANIFEST_VERSION:
@@ -245,28 +294,31 @@ def inspect_folder(
         raise JobError(f"output path {path} is a file, not a folder")
     if not os.access(path, os.W_OK | os.X_OK):
         raise JobError(f"output folder {path} is not writable")
+    manifest = _manifest_for_job(str(path), _reader(path, None), fresh)
+    return _judge(path, manifest, os.listdir(path), fingerprint, fresh, adopt)
+
+
+def _manifest_for_job(
+    folder: str, read: Callable[[str], bytes | None], fresh: bool
+) -> dict[str, Any] | None:
+    """The manifest a job opening the folder resumes from (None: none, or ``fresh`` and one of
+    ours that cannot be read)."""
+    name, raw = _manifest_bytes(read)
     try:
-        manifest = read_manifest(path)
+        return _parse_manifest(folder, name, raw)
     except JobError:
         # An unreadable manifest of ours cannot be resumed; --fresh may start over. One that is
         # not ours is never deleted.
-        if not fresh or not _looks_like_ours(path / MANIFEST_NAME):
+        if not fresh or MANIFEST_FORMAT.encode() not in (raw or b"")[:200]:
             raise
-        manifest = None
-    return _judge(path, manifest, os.listdir(path), fingerprint, fresh, adopt)
+        return None
 
 
 def _inspect_object_folder(
     store: ObjectFolder, fingerprint: Mapping[str, str], fresh: bool, adopt: Sequence[str]
 ) -> FolderState:
     store.check_bucket()
-    try:
-        manifest = _parse_manifest(store.uri, store.read_bytes)
-    except JobError:
-        raw = store.read_bytes(MANIFEST_NAME) or b""
-        if not fresh or MANIFEST_FORMAT.encode() not in raw[:200]:
-            raise
-        manifest = None
+    manifest = _manifest_for_job(store.uri, store.read_bytes, fresh)
     names = [n.split("/", 1)[0] for n in store.list()] if manifest is None else []
     return _judge(store.uri, manifest, names, fingerprint, fresh, adopt)
 
@@ -283,7 +335,7 @@ def _judge(
     this job may not write there."""
     if manifest is None:
         foreign = sorted(
-            {n for n in names if not n.startswith((".", "_")) and not _PART_RE.match(n)}
+            {n for n in names if not n.startswith((".", "_")) and not PART_RE.match(n)}
         )
         if foreign:
             raise JobError(
@@ -324,7 +376,7 @@ class OutputFolder:
 
     def __init__(self, path: Path, manifest: dict[str, Any], lock_fd: int | None) -> None:
         self.path = path
-        self._manifest = manifest  # invariant: equal to what _manifest.json holds on disk
+        self._manifest = manifest  # invariant: what .batchgen/manifest.json holds on disk
         self._lock_fd = lock_fd
 
     @classmethod
@@ -342,17 +394,21 @@ class OutputFolder:
         (``storage``: the job's ``storage:`` section).
 
         Refused (JobError) as :func:`inspect_folder` says; keys in ``adopt`` that the folder's
-        fingerprint lacks (written before they were fingerprinted) are recorded in it. ``fresh``: delete earlier results
-        first (only batchgen's own files). Leftovers of a crash are cleaned: temp files, and part
-        files the manifest does not list (never committed). A listed part that is missing is
-        dropped from the manifest, so its rows are generated again.
+        fingerprint lacks (written before they were fingerprinted) are recorded in it. ``fresh``:
+        delete earlier results first (only batchgen's own files). A folder in the earlier layout
+        is migrated (batchgen/legacy_layout.py). Leftovers of a crash are cleaned: staged parts
+        and temp files; the part a crash left committed but unrecorded is recorded (module
+        docstring). A listed part that is missing is dropped from the manifest, so its rows are
+        generated again.
         """
         if is_uri(path):
             return ObjectOutputFolder.open_uri(str(path), fingerprint, fresh, adopt, storage)
         path = Path(path)
         inspect_folder(path, fingerprint, fresh, adopt)  # refuse before creating anything
+        hidden = path / HIDDEN_DIR
+        hidden_existed = hidden.is_dir()
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            hidden.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise JobError(f"cannot create output folder {path}: {err.strerror or err}") from None
         lock_existed = (path / LOCK_NAME).exists()
@@ -360,11 +416,15 @@ class OutputFolder:
         try:
             # Again under the lock: another process may have written here meanwhile.
             state = inspect_folder(path, fingerprint, fresh, adopt)
+            migrate_local(path)
             folder = cls._open_locked(path, state.manifest, fingerprint, fresh, lock_fd)
         except BaseException:
             if lock_fd is not None:
                 if not lock_existed:  # leave a refused folder as it was
                     (path / LOCK_NAME).unlink(missing_ok=True)
+                    if not hidden_existed:
+                        with contextlib.suppress(OSError):
+                            hidden.rmdir()
                 os.close(lock_fd)
             raise
         return folder
@@ -378,37 +438,74 @@ class OutputFolder:
         fresh: bool,
         lock_fd: int | None,
     ) -> OutputFolder:
-        names = sorted(os.listdir(path))
+        hidden = path / HIDDEN_DIR
+        staging = hidden / STAGING_DIR
         if fresh:
-            for name in names:
-                if _PART_RE.match(name) or _TEMP_RE.match(name) or name in _RESULT_FILES:
+            for name in os.listdir(path):
+                if PART_RE.match(name):
                     (path / name).unlink(missing_ok=True)
-            names = sorted(os.listdir(path))
+            for name in _RESULT_FILES:
+                (path / name).unlink(missing_ok=True)
+        # Nothing staged was committed (a part is committed by its rename out of staging); temp
+        # files of the manifest and the report were never renamed into place.
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(exist_ok=True)
+        for name in os.listdir(hidden):
+            if name.startswith(".") and name.endswith(".tmp"):
+                (hidden / name).unlink(missing_ok=True)
 
+        # Unlisted parts: the newest one (numbered next_part) was committed by its rename while
+        # the manifest was not yet updated: it is recorded below. Any other was never committed
+        # by this protocol (e.g. left beside a folder without a manifest): deleted.
         listed = {p["name"] for p in manifest["parts"]} if manifest else set()
+        unrecorded = part_name(int(manifest["next_part"])) if manifest else None
         removed = False
-        for name in names:
-            # Temp files and unlisted parts were never committed.
-            if _TEMP_RE.match(name) or (_PART_RE.match(name) and name not in listed):
+        for name in sorted(os.listdir(path)):
+            if PART_RE.match(name) and name not in listed and name != unrecorded:
                 (path / name).unlink(missing_ok=True)
                 removed = True
         if removed:
             fsync_dir(path)
 
         folder = cls(path, manifest or _new_manifest(fingerprint), lock_fd)
-        if manifest is None:
-            folder._write_manifest(folder._manifest)
-        else:
-            if manifest["fingerprint"] != dict(fingerprint):  # adopted keys
-                folder._write_manifest({**manifest, "fingerprint": dict(fingerprint)})
-                manifest = folder._manifest
-            missing = [p for p in manifest["parts"] if not (path / p["name"]).is_file()]
-            if missing:
-                parts = [p for p in manifest["parts"] if p not in missing]
-                folder._write_manifest(
-                    {**manifest, "parts": parts, "totals": totals_of(parts), "finished": False}
-                )
+        try:
+            folder._settle(manifest, fingerprint)
+        except BaseException:
+            folder._lock_fd = None  # open() closes it: a forgotten folder must not close it again
+            raise
         return folder
+
+    def _settle(self, manifest: dict[str, Any] | None, fingerprint: Mapping[str, str]) -> None:
+        """Bring the manifest in line with the part files (the last step of opening): write a
+        new one, record adopted fingerprint keys, drop missing parts, list the unrecorded one."""
+        if manifest is None:
+            self._write_manifest(self._manifest)
+            return
+        if manifest["fingerprint"] != dict(fingerprint):  # adopted keys
+            self._write_manifest({**manifest, "fingerprint": dict(fingerprint)})
+            manifest = self._manifest
+        missing = [p for p in manifest["parts"] if not (self.path / p["name"]).is_file()]
+        if missing:
+            parts = [p for p in manifest["parts"] if p not in missing]
+            self._write_manifest(
+                {**manifest, "parts": parts, "totals": totals_of(parts), "finished": False}
+            )
+        unrecorded = part_name(int(manifest["next_part"]))
+        if (self.path / unrecorded).is_file():
+            self._record_part(int(manifest["next_part"]), unrecorded)
+
+    def _record_part(self, number: int, name: str) -> None:
+        """List a committed part the manifest does not list yet (a crash between its rename and
+        the manifest update). Its input rows are its distinct ids: a part holds whole rows."""
+        try:
+            table = pq.read_table(self.path / name)
+        except (OSError, pa.ArrowException) as err:
+            raise JobError(
+                f"output folder {self.path}: committed part {name} is unreadable ({err}); use "
+                "--fresh to start over"
+            ) from None
+        rows = int(pc.count_distinct(table.column("id")).as_py())
+        self._write_manifest(manifest_with_part(self._manifest, number, name, table, rows))
 
     # -- reading
 
@@ -505,10 +602,10 @@ class OutputFolder:
         self._write_manifest({**self._manifest, "finished": True})
 
     def write_report(self, report: Mapping[str, Any]) -> None:
-        """Write ``_report.json`` atomically."""
+        """Write ``.batchgen/report.json`` atomically."""
         data = json_bytes(dict(report))
         with self._space_checked():
-            write_durably(self.path, REPORT_NAME, lambda f: f.write(data))
+            write_durably(self.path / HIDDEN_DIR, REPORT_FILE, lambda f: f.write(data))
 
     def close(self) -> None:
         """Release the folder's lock. Idempotent."""
@@ -533,19 +630,22 @@ class OutputFolder:
     ) -> None:
         data = json_bytes(manifest)
         with self._space_checked():
-            write_durably(self.path, MANIFEST_NAME, lambda f: f.write(data), before_rename)
+            write_durably(
+                self.path / HIDDEN_DIR, MANIFEST_FILE, lambda f: f.write(data), before_rename
+            )
         self._manifest = manifest
 
     @contextlib.contextmanager
-    def _space_checked(self) -> Iterator[None]:
+    def _space_checked(self, saved_rows: int | None = None) -> Iterator[None]:
         """A full disk or quota while writing becomes an OutputFullError naming the folder and
-        the rows committed (the manifest on disk is the one held here)."""
+        the rows committed: ``saved_rows``, else the manifest's (the one on disk is the one held
+        here)."""
         try:
             yield
         except OSError as err:
             if err.errno not in NO_SPACE_ERRNOS:
                 raise
-            rows = self.counts()["rows"]
+            rows = self.counts()["rows"] if saved_rows is None else saved_rows
             raise OutputFullError(
                 f"output folder {self.path}: {os.strerror(err.errno)} while saving results; "
                 f"{rows} rows are saved there; free space (or raise the quota) and run the same "
@@ -553,28 +653,31 @@ class OutputFolder:
             ) from None
 
     def _commit_part(self, table: pa.Table, rows: int, on_step: StepHook | None) -> None:
-        """Write one part and then the manifest that lists it (the protocol above)."""
+        """Stage one part, commit it by its rename, then record it in the manifest (the
+        protocol in the module docstring)."""
         number = int(self._manifest["next_part"])
-        name = f"part-{number:05d}.parquet"
+        name = part_name(number)
         step = on_step or (lambda _name: None)
-
-        def after_temp_written() -> None:
-            step("part_written")
-
+        staging = self.path / HIDDEN_DIR / STAGING_DIR
         with self._space_checked():
-            write_durably(self.path, name, lambda f: pq.write_table(table, f), after_temp_written)
+            write_durably(staging, name, lambda f: pq.write_table(table, f))
+        step("part_written")
+        os.replace(staging / name, self.path / name)  # the commit: whole, under its final name
+        fsync_dir(self.path)
         step("part_renamed")
-
+        # A failure from here on (a full disk) leaves the part committed but not listed: the next
+        # open records it. A retry in this process replaces it, under the same number, with the
+        # buffered rows: they include the part's (the buffer is kept on failure).
         manifest = manifest_with_part(self._manifest, number, name, table, rows)
-        self._write_manifest(manifest, before_rename=lambda: step("manifest_written"))
-
-
-def _looks_like_ours(manifest_path: Path) -> bool:
-    """A manifest that fails to parse but names our format (e.g. truncated by hand)."""
-    try:
-        return MANIFEST_FORMAT.encode() in manifest_path.read_bytes()[:200]
-    except OSError:
-        return False
+        data = json_bytes(manifest)
+        with self._space_checked(saved_rows=int(manifest["totals"]["rows"])):
+            write_durably(
+                self.path / HIDDEN_DIR,
+                MANIFEST_FILE,
+                lambda f: f.write(data),
+                before_rename=lambda: step("manifest_written"),
+            )
+        self._manifest = manifest
 
 
 # --------------------------------------------------------------------------- object storage
@@ -602,14 +705,15 @@ class ObjectOutputFolder(OutputFolder):
         storage: StorageSettings | None,
     ) -> ObjectOutputFolder:
         """:meth:`OutputFolder.open` for a URI: refuse as :func:`inspect_folder` says, take the
-        lease, inspect again under it, roll a crashed commit forward, delete what was never
-        committed."""
+        lease, inspect again under it, migrate an earlier layout, roll a crashed commit forward,
+        delete what was never committed."""
         store = ObjectFolder(uri, storage)
         _inspect_object_folder(store, fingerprint, fresh, adopt)
         lease = ObjectLease(store)
         lease.acquire()
         try:
             state = _inspect_object_folder(store, fingerprint, fresh, adopt)
+            migrate_objects(store)
             folder = cls(store, _new_manifest(fingerprint), lease)
             folder._recover(state.manifest, fingerprint, fresh)
         except BaseException:
@@ -624,7 +728,8 @@ class ObjectOutputFolder(OutputFolder):
         names = store.list()
         if fresh:
             for name in names:
-                if _PART_RE.match(name) or name.startswith(STAGING_PREFIX) or name in _RESULT_FILES:
+                ours = name.startswith(_STAGING_PREFIXES) or name in _RESULT_FILES
+                if ours or PART_RE.match(name):
                     store.delete(name)
             names = store.list()
         if manifest is None:
@@ -641,7 +746,7 @@ class ObjectOutputFolder(OutputFolder):
         for name in names:
             # Staged objects are done with (published, or never committed); unlisted parts were
             # never committed.
-            if name.startswith(STAGING_PREFIX) or (_PART_RE.match(name) and name not in keep):
+            if name.startswith(_STAGING_PREFIXES) or (PART_RE.match(name) and name not in keep):
                 store.delete(name)
         recovered = {
             **manifest,
@@ -696,7 +801,7 @@ class ObjectOutputFolder(OutputFolder):
         docstring). Steps: part_written (staged), manifest_written (before its PUT),
         part_renamed (published)."""
         number = int(self._manifest["next_part"])
-        name = f"part-{number:05d}.parquet"
+        name = part_name(number)
         token = self._lease.token if self._lease is not None else uuid.uuid4().hex
         staged = f"{STAGING_PREFIX}part-{number:05d}-{token}.parquet"
         step = on_step or (lambda _name: None)
@@ -791,5 +896,6 @@ __all__ = [
     "PartWriter",
     "inspect_folder",
     "read_manifest",
+    "read_report",
     "totals_of",
 ]

@@ -21,6 +21,7 @@ from batchgen.errors import JobError
 from batchgen.executors import Executor
 from batchgen.fingerprint import describe_fingerprint_mismatch, fingerprint
 from batchgen.job import Job
+from batchgen.layout import BATCH_OUTPUT_NAME
 from batchgen.model.config import is_gguf, read_model_info
 from batchgen.model.hub import resolve_model
 from batchgen.model.loader import check_model, describe_gguf, load_tokenizer, model_identity
@@ -40,8 +41,6 @@ from batchgen.signals import GracefulStop, Interrupted
 from batchgen.status import read_status
 from batchgen.storage import is_uri
 from batchgen.structured import StructuredOutputs
-
-BATCH_OUTPUT_NAME = "_batch_output.jsonl"
 
 # -- validate / status ----------------------------------------------------------------------------
 
@@ -388,8 +387,8 @@ class JobRun:
 
 
 def default_batch_output(job: Job) -> Path:
-    """Where ``run`` writes an OpenAI batch job's output JSONL: ``_batch_output.jsonl`` in the
-    output folder (``_``: Parquet readers of the folder skip it)."""
+    """Where ``run`` writes an OpenAI batch job's output JSONL: ``.batchgen/batch_output.jsonl``
+    in the output folder (hidden: readers of the folder's Parquet files never meet it)."""
     return Path(job.output.path) / BATCH_OUTPUT_NAME
 
 

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime, timezone
 from pathlib import Path
 
 from batchgen.errors import JobError
-from batchgen.results import MANIFEST_NAME, REPORT_NAME, read_manifest, totals_of
-from batchgen.storage import ObjectFolder, is_uri
+from batchgen.results import MANIFEST_NAME, read_manifest, read_report, totals_of
+from batchgen.storage import is_uri
 
 
 def _age(iso: str | None) -> str:
@@ -36,10 +35,9 @@ def read_status(path: Path | str) -> str:
 
     Safe while a job runs (the manifest is replaced atomically). JobError if ``path`` is not an
     output folder. ``path`` may be an ``s3://`` URI (endpoint and credentials from the AWS
-    variables).
+    variables). Folders in the earlier layout (``_manifest.json``) are read as well.
     """
-    store = ObjectFolder(str(path)) if is_uri(path) else None
-    if store is None:
+    if not is_uri(path):
         path = Path(path)
         if not path.is_dir():
             raise JobError(f"{path} is not a folder")
@@ -67,13 +65,7 @@ def read_status(path: Path | str) -> str:
         f"parts:         {totals['parts']:,}",
         f"last commit:   {_age(manifest.get('last_commit_at'))}",
     ]
-    try:
-        if store is not None:
-            report = json.loads(store.read_bytes(REPORT_NAME) or b"null")
-        else:
-            report = json.loads((Path(path) / REPORT_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError, JobError):
-        report = None
+    report = read_report(path)
     if isinstance(report, dict) and "elapsed_s" in report:
         speed = report.get("output_tokens_per_s")
         speed_text = f", {speed:,.1f} output tokens/s" if isinstance(speed, (int, float)) else ""

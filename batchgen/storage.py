@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from batchgen.errors import JobError
+from batchgen.layout import LEASE_PREFIX, LEGACY_LEASE_PREFIX
 
 
 def now_iso() -> str:
@@ -109,8 +110,6 @@ S3_SCHEME = "s3://"
 # How long a lease object stays valid without being renewed; the holder renews it every
 # LEASE_SECONDS / 4. Measured on the store's clock (see ObjectLease).
 LEASE_SECONDS = 60.0
-LEASE_PREFIX = "_lease/"
-STAGING_PREFIX = "_staging/"
 
 
 def is_uri(path: object) -> bool:
@@ -175,7 +174,7 @@ def storage_error(what: str, err: BaseException) -> JobError:
 
 class ObjectFolder:
     """A prefix in an object store, seen as a folder of named objects (names relative to it;
-    ``_staging/x`` is a name too). Every write is one PUT, so a reader sees a whole object or
+    ``.batchgen/staging/x`` is a name too). Every write is one PUT, so a reader sees a whole object or
     none; there is no rename (see :mod:`batchgen.results` for the commit protocol built on it).
     """
 
@@ -289,10 +288,12 @@ def _pid_alive(pid: int) -> bool:
 
 class ObjectLease:
     """Keeps two writers out of one object-store folder: a lease object per writer,
-    ``_lease/<token>.json``, renewed every ``ttl / 4`` seconds by a thread while held.
+    ``.batchgen/lease/<token>.json``, renewed every ``ttl / 4`` seconds by a thread while held.
 
     Acquire: PUT our own lease object (a unique name: no writer overwrites another's), then LIST
-    ``_lease/``. Another lease that is live makes us delete ours and refuse. Live means renewed
+    the leases: under ``.batchgen/lease/``, and under ``_lease/``, where an earlier batchgen keeps
+    its own (so a folder it is writing is not migrated under it). Another lease that is live
+    makes us delete ours and refuse. Live means renewed
     less than ``ttl`` seconds before ours was written, both times being the store's own
     ``LastModified`` stamps (so the writers' clocks, skewed or not, play no part), and, when it
     names this host, its process still exists (so a writer killed here is taken over at once;
@@ -345,7 +346,11 @@ class ObjectLease:
 
     def _others(self) -> tuple[Any, list[tuple[str, Any, dict[str, Any]]]]:
         """Our lease's FileInfo (None if gone) and the other leases with their bodies."""
-        infos = {n: i for n, i in self.folder.list().items() if n.startswith(LEASE_PREFIX)}
+        infos = {
+            n: i
+            for n, i in self.folder.list().items()
+            if n.startswith((LEASE_PREFIX, LEGACY_LEASE_PREFIX))
+        }
         mine = infos.pop(self.name, None)
         others = []
         for name, info in infos.items():

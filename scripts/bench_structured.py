@@ -72,7 +72,7 @@ def run_cli(job: dict[str, Any], out: Path) -> dict[str, Any]:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     if proc.returncode != 0:
         raise SystemExit(f"batchgen failed: {proc.stderr.strip().splitlines()[-1:]}")
-    return json.loads((out / "result" / "_report.json").read_text())
+    return json.loads((out / "result" / ".batchgen" / "report.json").read_text())
 
 
 def run_job(model: Path, data: Path, out: Path, w: Any, structured: dict | None) -> dict:

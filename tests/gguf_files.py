@@ -64,6 +64,26 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _llama3_rope_freqs(rope: dict, theta: float, head_dim: int) -> np.ndarray:
+    """llama.cpp's converter's rope_freqs for Llama 3.1-style scaling: per pair, the divisor of
+    its inverse frequency (1 for short wavelengths, ``factor`` for long ones, smoothed between)."""
+    import math
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / theta ** (i / head_dim))
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def _encode(w: np.ndarray, type_name: str, rng: np.random.Generator) -> tuple[np.ndarray, object]:
     """(data, GGMLQuantizationType) of ``w`` [rows, cols] in ``type_name``."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -118,7 +138,12 @@ def write_gguf(
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    rope = cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta") or rope["rope_theta"])
+    w.add_rope_freq_base(theta)
+    if rope.get("rope_type") == "llama3":
+        factors = _llama3_rope_freqs(rope, theta, head_dim)
+        w.add_tensor("rope_freqs.weight", factors, raw_shape=factors.shape)
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(cfg["vocab_size"])
     _add_tokenizer(w, model_dir, cfg["vocab_size"])

@@ -797,7 +797,7 @@ def test_empty_input_completes_cleanly(model: Path, tmp_path: Path) -> None:
     result = invoke("run", job, "--quiet")
     no_traceback(result)
     assert result.exit_code == 0, result.output
-    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "out" / ".batchgen" / "report.json").read_text())
     assert report["finished"] is True
     assert (report["rows"], report["samples"], report["errors"]) == (0, 0, 0)
     assert read_results(tmp_path / "out") == []
@@ -930,11 +930,11 @@ def chat_prompt(model: Path, chat: list[dict[str, Any]]) -> str:
 
 
 def check_report(out: Path, rows: int, error_rows: int, n: int) -> None:
-    report = json.loads((out / "_report.json").read_text())
+    report = json.loads((out / ".batchgen" / "report.json").read_text())
     assert report["finished"] is True
     assert report["rows"] == rows and report["samples"] == rows * n
     assert report["errors"] == error_rows * n  # error output rows, as the manifest counts them
-    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest = json.loads((out / ".batchgen" / "manifest.json").read_text())
     assert manifest["totals"]["errors"] == report["errors"]
 
 
@@ -1109,7 +1109,7 @@ def test_internal_error_keeps_committed_rows_and_resumes(
     match = re.search(r"traceback written to (\S+)\)$", line)
     assert match, line
     log = Path(match.group(1))
-    assert log.parent == out and log.name.startswith("_")
+    assert log.parent == out / ".batchgen" / "logs" and log.name.startswith("error-")
     text = log.read_text()
     assert "Traceback" in text and "failing_step" in text and "RuntimeError" in text
     # What was committed is readable (the log is invisible to Parquet readers) and partial.
@@ -1138,5 +1138,5 @@ def test_internal_error_keeps_committed_rows_and_resumes(
     assert [r["token_ids"] for r in rows if (r["id"], r["sample_index"]) in done] == list(
         done.values()
     )
-    report = json.loads((out / "_report.json").read_text())
+    report = json.loads((out / ".batchgen" / "report.json").read_text())
     assert report["finished"] is True and report["rows_already_done"] == len(partial) // n

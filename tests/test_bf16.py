@@ -61,7 +61,7 @@ def test_bf16_job_tracks_transformers(arch, device, tiny_model, tmp_path) -> Non
         engine={"dtype": "bfloat16", "device": device, "block_size": 4, "max_num_seqs": 6},
     )
     rows = run_job(job)
-    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "out" / ".batchgen" / "report.json").read_text())
     assert report["dtype"] == "bfloat16" and report["device"].startswith(device)
     if device == "cpu":
         require("cpu_kernels")

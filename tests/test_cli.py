@@ -165,7 +165,7 @@ def test_internal_error_logs_in_output_folder(fake_runner: Any, job_file: Path) 
     assert line.startswith(
         "internal error: ZeroDivisionError: division by zero (traceback written to "
     )
-    logs = list(out.glob("_batchgen-error-*.log"))
+    logs = list(out.glob(".batchgen/logs/error-*.log"))
     assert len(logs) == 1 and str(logs[0]) in line
     text = logs[0].read_text()
     assert "Traceback" in text and "ZeroDivisionError" in text and "command:" in text

@@ -54,7 +54,12 @@ def test_disk_full_during_a_commit(
     assert line.startswith("error: ") and "internal error" not in line, line
     assert json.loads((out / MANIFEST_NAME).read_text())["totals"]["rows"] == saved
     # No traceback log and no half-written temp file is left in the folder.
-    assert sorted(os.listdir(out)) == [".batchgen.lock", MANIFEST_NAME, "part-00000.parquet"]
+    assert sorted(os.listdir(out)) == [".batchgen", "part-00000.parquet"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
+        ".batchgen/lock",
+        MANIFEST_NAME,
+        "part-00000.parquet",
+    ]
     partial = read_results(out)
     assert len({r["id"] for r in partial}) == saved and len(partial) == saved * SAMPLING["n"]
 
@@ -63,7 +68,7 @@ def test_disk_full_during_a_commit(
     assert Counter((r["id"], r["sample_index"]) for r in rows) == Counter(
         (i, k) for i in range(len(PROMPTS)) for k in range(SAMPLING["n"])
     )
-    report = json.loads((out / "_report.json").read_text())
+    report = json.loads((out / ".batchgen" / "report.json").read_text())
     assert report["finished"] is True and report["rows_already_done"] == saved
     # The saved rows came from the same batches as the reference's: bit-exact; the resume left
     # them as they were.

@@ -1,5 +1,5 @@
 """``engine.dtype: auto``: bf16 on CPUs with bf16 matrix instructions, float32 on other CPUs,
-said by ``validate`` and ``_report.json``. Both kinds of CPU are simulated on whatever CPU runs
+said by ``validate`` and ``.batchgen/report.json``. Both kinds of CPU are simulated on whatever CPU runs
 the tests (the choice is patched where :mod:`batchgen.plan` reads it)."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_validate_and_report_say_which_dtype_and_why(
 
     run_cli("run", str(job), "--quiet")
     out = tmp_path / "out"
-    report = json.loads((out / "_report.json").read_text())
+    report = json.loads((out / ".batchgen" / "report.json").read_text())
     assert report["dtype"] == dtype
     assert report["dtype_reason"].startswith("auto: this CPU ")
     assert support.describe() in report["dtype_reason"]

@@ -87,7 +87,7 @@ def test_one_text_token_prompts_and_tight_memory_match_ample_memory(tiny_model, 
     tight = run_job(tight_job)
     assert [r["num_prompt_tokens"] for r in ample[:6]] == [2] * 6
     compare_samples(tight, ample, model=model, prompts=dict(enumerate(prompts)), sampling=common)
-    report = json.loads((tmp_path / "b" / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "b" / "out" / ".batchgen" / "report.json").read_text())
     assert report["preemptions"] > 0
     assert report["kv_blocks"] == 40
     # fp32 on the CPU: the C kernels ran whenever they can be built here
@@ -156,7 +156,7 @@ def test_forks_compute_the_prompt_once(tiny_model, tmp_path, monkeypatch, prefix
         )
     )
     assert len(rows) == 24
-    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "out" / ".batchgen" / "report.json").read_text())
     assert report["preemptions"] == 0  # no recomputation
     prompt_lengths = [len(tok(p)["input_ids"]) for p in prompts]
     assert len(set(prompts)) == 6

@@ -43,7 +43,7 @@ def test_fp32_cuda_matches_cpu(arch, sampling, device, tiny_model, tmp_path) -> 
                             engine={**engine, "device": "cpu"}))  # fmt: skip
     gpu = run_job(write_job(tmp_path / "gpu", model, prompts, sampling=params,
                             engine={**engine, "device": device}))  # fmt: skip
-    report = json.loads((tmp_path / "gpu" / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "gpu" / "out" / ".batchgen" / "report.json").read_text())
     assert report["device"].startswith("cuda") and report["attention_backend"] == "triton"
     assert report["dtype"] == "float32"
     compare_samples(gpu, cpu, model=model, prompts=dict(enumerate(prompts)), sampling=params)
@@ -66,7 +66,7 @@ def test_overlap_on_cuda_gives_the_same_samples(graphs, tiny_model, tmp_path) ->
         out = tmp_path / mode
         job = write_job(out, model, prompts, sampling=params, engine={**engine, "overlap": mode})
         rows[mode] = {(r["id"], r["sample_index"]): r for r in run_job(job)}
-        reports[mode] = json.loads((out / "out" / "_report.json").read_text())
+        reports[mode] = json.loads((out / "out" / ".batchgen" / "report.json").read_text())
     for key, want in rows["off"].items():
         got = rows["on"][key]
         assert (got["token_ids"], got["finish_reason"], got["text"]) == (

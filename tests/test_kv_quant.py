@@ -364,7 +364,7 @@ def test_impossible_kv_cache_dtypes_are_refused(tiny_model, tmp_path, engine, ne
 
 def test_validate_and_report_give_the_kv_cache_dtype(tiny_model, tmp_path) -> None:
     """validate names the KV dtype and how many tokens the cache holds (about 4x the float32
-    cache's at the same kv_cache_memory); _report.json has kv_cache_dtype and bytes per token."""
+    cache's at the same kv_cache_memory); .batchgen/report.json has kv_cache_dtype and bytes per token."""
     import json
 
     from batchgen.results import REPORT_NAME

@@ -430,6 +430,31 @@ def test_rope_scaling_matches_transformers(rope: dict, tmp_path: Path) -> None:
     assert_close_logits(ours, hf_logits(model_dir, [seq])[0])
 
 
+def test_gguf_rope_frequency_factors_match_transformers(tmp_path: Path) -> None:
+    """Llama 3.1-style RoPE scaling as llama.cpp stores it in a GGUF file (per-pair divisors,
+    rope_freqs.weight), against transformers running the original folder (its own GGUF reader
+    ignores rope_freqs): logits past the original context length (64)."""
+    from tests.gguf_files import write_gguf
+
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 500000.0,
+    }
+    model_dir = make_tiny_model(
+        tmp_path / "m", "llama", num_layers=1, config_overrides={"rope_parameters": rope}
+    )
+    path = write_gguf(model_dir, tmp_path / "llama31.gguf")
+    model, info = load_model(path, CPU, torch.float32, TorchAttention())
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, info.vocab_size, (300,), generator=gen).tolist()
+    (ours,) = run_paged(model, [seq], [[200, 100]], 16, gen)
+    assert_close_logits(ours, hf_logits(model_dir, [seq])[0])
+
+
 def test_config_parsing(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     from batchgen.model.config import read_model_config
 

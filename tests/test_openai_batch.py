@@ -104,7 +104,7 @@ def test_chat_completions_and_error_lines(model: Path, tmp_path: Path) -> None:
     lines = [GOOD[0], BAD[0][0], *GOOD[1:], *(b for b, _ in BAD[1:])]
     write_lines(tmp_path / "in.jsonl", lines)
     run_cli("run", batch_job(tmp_path, model, "in.jsonl"), "--quiet")
-    out = read_jsonl(tmp_path / "out" / "_batch_output.jsonl")
+    out = read_jsonl(tmp_path / "out" / ".batchgen" / "batch_output.jsonl")
     assert [o["custom_id"] for o in out] == [x["custom_id"] for x in lines]  # input order
     by_id = {o["custom_id"]: o for o in out}
     n_of = {"c-greedy": 1, "c-n3": 3, "t-n2": 2, "c-parts": 1, "t-plain": 1}
@@ -138,7 +138,7 @@ def test_chat_completions_and_error_lines(model: Path, tmp_path: Path) -> None:
         o = by_id[line["custom_id"]]
         assert o["response"] is None and o["error"]["code"] == "invalid_request"
         assert needle in o["error"]["message"], (needle, o["error"])
-    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "out" / ".batchgen" / "report.json").read_text())
     assert report["rows"] == len(lines) and report["samples"] == 8 + len(BAD)
 
 
@@ -183,7 +183,7 @@ def test_response_format_is_structured_output(model: Path, tmp_path: Path) -> No
     ]
     write_lines(tmp_path / "in.jsonl", lines)
     run_cli("run", batch_job(tmp_path, model, "in.jsonl", max_tokens=64), "--quiet")
-    out = {o["custom_id"]: o for o in read_jsonl(tmp_path / "out" / "_batch_output.jsonl")}
+    out = {o["custom_id"]: o for o in read_jsonl(tmp_path / "out" / ".batchgen" / "batch_output.jsonl")}
     complete = 0
     for i in range(4):
         choice = out[f"s{i}"]["response"]["body"]["choices"][0]
@@ -270,10 +270,10 @@ def test_resume_gives_the_same_output(
     lines.append(BAD[1][0])
     write_lines(tmp_path / "in.jsonl", lines)
     run_cli("run", batch_job(tmp_path, model, "in.jsonl", "whole"), "--quiet")
-    whole = read_jsonl(tmp_path / "whole" / "_batch_output.jsonl")
+    whole = read_jsonl(tmp_path / "whole" / ".batchgen" / "batch_output.jsonl")
 
     job = batch_job(tmp_path, model, "in.jsonl", "parts")
-    out = tmp_path / "parts" / "_batch_output.jsonl"
+    out = tmp_path / "parts" / ".batchgen" / "batch_output.jsonl"
     for stop_at in (3, 2):  # rows finished in each run
         with monkeypatch.context() as m:
             interrupt_after(m, stop_at)
@@ -452,8 +452,8 @@ def test_ray_workers_follow_per_row_sampling(model: Path, tmp_path: Path) -> Non
         run_cli("run", ray_job, "--set", "executor.kind=ray", "--set", "executor.num_workers=2")
     finally:
         ray.shutdown()
-    local = read_jsonl(tmp_path / "local" / "_batch_output.jsonl")
-    remote = read_jsonl(tmp_path / "ray" / "_batch_output.jsonl")
+    local = read_jsonl(tmp_path / "local" / ".batchgen" / "batch_output.jsonl")
+    remote = read_jsonl(tmp_path / "ray" / ".batchgen" / "batch_output.jsonl")
     assert without_created(remote) == without_created(local)
     assert [len(o["response"]["body"]["choices"]) for o in remote[:-1]] == [
         1 + i % 3 for i in range(len(PROMPTS))

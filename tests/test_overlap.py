@@ -179,7 +179,7 @@ def test_jobs_with_grammar_rows(tiny_model, tmp_path) -> None:
         plan = invoke("validate", job)
         assert plan.exit_code == 0 and f"overlap {mode}" in plan.stdout
         rows[mode] = {(r["id"], r["sample_index"]): r for r in run_job(job)}
-        reports[mode] = json.loads((tmp_path / mode / "out" / "_report.json").read_text())
+        reports[mode] = json.loads((tmp_path / mode / "out" / ".batchgen" / "report.json").read_text())
     assert reports["off"]["overlapped_steps"] == 0 and reports["on"]["overlapped_steps"] > 0
     assert rows["on"].keys() == rows["off"].keys()
     for key, want in rows["off"].items():

@@ -100,7 +100,7 @@ def test_shuffled_templates_are_computed_about_once(tiny_model, tmp_path):
     assert computed(off) == prompt_tokens
     prompts = prompts_of(table)
     compare_samples(on, off, model=model, prompts=prompts, sampling=sampling)
-    report = json.loads((tmp_path / "on" / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "on" / "out" / ".batchgen" / "report.json").read_text())
     assert report["cached_prompt_tokens"] == prompt_tokens - computed(on)
     assert 0 < report["kv_waste"] < 0.5
     assert report["peak_kv_blocks_used"] <= report["kv_blocks"]
@@ -123,5 +123,5 @@ def test_small_pool_evicts_and_gives_identical_results(tiny_model, tmp_path):
     small = run_job(small_job)
     prompts = prompts_of(table)
     compare_samples(small, big, model=model, prompts=prompts, sampling=sampling)
-    report = json.loads((tmp_path / "small" / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "small" / "out" / ".batchgen" / "report.json").read_text())
     assert report["evicted_kv_blocks"] > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -11,7 +12,8 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.errors import JobError
+import batchgen.results as results
+from batchgen.errors import JobError, OutputFullError
 from batchgen.results import (
     COMMIT_STEPS,
     MANIFEST_NAME,
@@ -57,6 +59,12 @@ def keys_of(table: pa.Table) -> list[tuple[int, int]]:
 
 def visible(path: Path) -> list[str]:
     return sorted(n for n in os.listdir(path) if not n.startswith((".", "_")))
+
+
+def hidden(path: Path) -> list[str]:
+    """The files under the output folder's ``.batchgen/``, relative to it."""
+    root = path / ".batchgen"
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
 # --------------------------------------------------------------------------- schema
@@ -209,8 +217,9 @@ def test_report_and_finished(tmp_path: Path) -> None:
         folder.write_report({"rows": 1, "elapsed_s": 2.0, "output_tokens_per_s": 3.0})
         assert folder.finished
     # Under the name SPEC gives it, whole (no temp file left); its content shows in the status.
-    assert "_report.json" in os.listdir(out) and REPORT_NAME == "_report.json"
-    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    assert REPORT_NAME == ".batchgen/report.json" and (out / REPORT_NAME).is_file()
+    assert hidden(out) == ["lock", "manifest.json", "report.json"]
+    assert sorted(os.listdir(out)) == [".batchgen", "part-00000.parquet"]
     status = read_status(out)
     assert "state:         finished" in status
     assert "1 of 1 rows (100.0%)" in status and "3.0 output tokens/s" in status
@@ -256,7 +265,8 @@ def test_fresh_deletes_only_our_files(tmp_path: Path) -> None:
         writer.commit()
         folder.write_report({"rows": 1})
     (out / "notes.txt").write_text("mine")
-    (out / "_batchgen-error-1.log").write_text("log")
+    (out / ".batchgen" / "logs").mkdir()
+    (out / ".batchgen" / "logs" / "error-1.log").write_text("log")
     other = {**FP, "model": "m2"}
     with OutputFolder.open(out, other, fresh=True) as folder:
         assert folder.completed_ids() == set()
@@ -264,12 +274,8 @@ def test_fresh_deletes_only_our_files(tmp_path: Path) -> None:
     OutputFolder.open(out, other).close()
     with pytest.raises(JobError, match="model differs"):
         OutputFolder.open(out, FP)
-    assert sorted(os.listdir(out)) == [
-        ".batchgen.lock",
-        "_batchgen-error-1.log",
-        MANIFEST_NAME,
-        "notes.txt",
-    ]
+    assert sorted(os.listdir(out)) == [".batchgen", "notes.txt"]
+    assert hidden(out) == ["lock", "logs/error-1.log", "manifest.json"]
 
 
 def test_foreign_folder_is_refused(tmp_path: Path) -> None:
@@ -307,7 +313,7 @@ def test_bad_manifests(tmp_path: Path) -> None:
     with OutputFolder.open(out, FP):
         pass
     (out / MANIFEST_NAME).write_text('{"format": "batchgen-output", "vers')  # truncated
-    with pytest.raises(JobError, match="cannot read _manifest.json"):
+    with pytest.raises(JobError, match=r"cannot read \.batchgen/manifest\.json"):
         OutputFolder.open(out, FP)
     with OutputFolder.open(out, FP, fresh=True) as folder:
         assert folder.counts()["rows"] == 0
@@ -375,7 +381,11 @@ class Crash(Exception):
 
 @pytest.mark.parametrize("step", COMMIT_STEPS)
 def test_crash_at_each_commit_step_then_resume(tmp_path: Path, step: str) -> None:
+    """The rename out of staging is the commit: a crash before it loses the part (its rows are
+    generated again), a crash after it keeps the part (the next open lists it). Readers see the
+    committed rows at every step, and nothing else."""
     out = tmp_path / "o"
+    committed = step != "part_written"
 
     def crash_at(name: str) -> None:
         if name == step:
@@ -393,31 +403,43 @@ def test_crash_at_each_commit_step_then_resume(tmp_path: Path, step: str) -> Non
     writer.add_row_group(samples(2))
     with pytest.raises(Crash):
         writer.commit()
-    if step == "part_written":
-        # A reader while the job is down sees only committed results: the temp file is hidden.
-        assert keys_of(read_back(out)) == [(0, 0), (0, 1)]
+    # A reader while the job is down sees exactly the committed rows; a staged part is hidden.
+    first = [(0, 0), (0, 1)]
+    later = [(i, k) for i in (1, 2) for k in range(2)]
+    assert keys_of(read_back(out)) == first + (later if committed else [])
+    left = {
+        "part_written": ["staging/" + PART1],  # staged, never renamed
+        "part_renamed": [],
+        "manifest_written": [".manifest.json.tmp"],  # the manifest's update, never renamed
+    }[step]
+    assert hidden(out) == sorted(["lock", "manifest.json", *left])
+    assert json.loads((out / MANIFEST_NAME).read_text())["totals"]["rows"] == 1
     folder.close()  # the process is gone
 
-    # Reopen: only what the manifest lists counts; leftovers are cleaned.
+    # Reopen: leftovers are cleaned, a committed part the manifest lacks is listed.
     folder = OutputFolder.open(out, FP)
-    assert folder.completed_ids() == {0}
-    assert folder.counts()["rows"] == 1
-    assert visible(out) == ["part-00000.parquet"]
-    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
-    assert keys_of(read_back(out)) == [(0, 0), (0, 1)]
+    assert folder.completed_ids() == ({0, 1, 2} if committed else {0})
+    assert folder.counts()["rows"] == (3 if committed else 1)
+    assert folder.counts()["samples"] == (6 if committed else 2)
+    assert visible(out) == ["part-00000.parquet"] + ([PART1] if committed else [])
+    assert hidden(out) == ["lock", "manifest.json"]
+    assert keys_of(read_back(out)) == first + (later if committed else [])
 
     # Resume: the lost rows are written again, exactly once.
     writer = folder.writer(SCHEMA, 100, 1e9)
-    for row_id in (1, 2):
+    for row_id in (1, 2, 3):
         if row_id not in folder.completed_ids():
             writer.add_row_group(samples(row_id))
     writer.commit()
     folder.close()
     keys = keys_of(read_back(out))
-    assert sorted(keys) == [(i, k) for i in range(3) for k in range(2)]
+    assert sorted(keys) == [(i, k) for i in range(4) for k in range(2)]
     assert len(keys) == len(set(keys))
-    assert visible(out) == ["part-00000.parquet", "part-00001.parquet"]
-    assert OutputFolder.open(out, FP).completed_ids() == {0, 1, 2}
+    assert len(visible(out)) == (3 if committed else 2)
+    assert OutputFolder.open(out, FP).completed_ids() == {0, 1, 2, 3}
+
+
+PART1 = "part-00001.parquet"
 
 
 def test_failed_commit_keeps_its_buffer(tmp_path: Path) -> None:
@@ -443,15 +465,52 @@ def test_leftovers_of_a_crash_are_cleaned(tmp_path: Path) -> None:
         writer = folder.writer(SCHEMA, 100, 1e9)
         writer.add_row_group(samples(0))
         writer.commit()
-    (out / ".part-00001.parquet.tmp").write_bytes(b"half a file")
-    (out / "._manifest.json.tmp").write_text("{")
+    (out / ".batchgen" / "staging" / ".part-00001.parquet.tmp").write_bytes(b"half a file")
+    (out / ".batchgen" / "staging" / "part-00001.parquet").write_bytes(b"staged, not renamed")
+    (out / ".batchgen" / ".manifest.json.tmp").write_text("{")
+    # Not the next part number: no commit of this protocol left it there.
     pq.write_table(pa.Table.from_pylist(samples(7), schema=SCHEMA), out / "part-00004.parquet")
     (out / ".DS_Store").write_text("not ours, left alone")
     with OutputFolder.open(out, FP) as folder:
         assert folder.completed_ids() == {0}
-    assert sorted(os.listdir(out)) == [
-        ".DS_Store",
-        ".batchgen.lock",
-        MANIFEST_NAME,
-        "part-00000.parquet",
-    ]
+    assert sorted(os.listdir(out)) == [".DS_Store", ".batchgen", "part-00000.parquet"]
+    assert hidden(out) == ["lock", "manifest.json"]
+
+
+def test_unreadable_unlisted_newest_part(tmp_path: Path) -> None:
+    """A part under the next number is committed (it got there by its rename): if it cannot be
+    read, the folder cannot be resumed as it is, and says so in one line."""
+    out = tmp_path / "o"
+    OutputFolder.open(out, FP).close()
+    (out / "part-00000.parquet").write_bytes(b"garbage")
+    with pytest.raises(JobError, match="committed part part-00000.parquet is unreadable"):
+        OutputFolder.open(out, FP)
+
+
+def test_a_full_disk_at_the_manifest_update_counts_the_committed_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The part is committed by its rename; a full disk while the manifest is updated after it
+    says those rows are saved too (the next open lists the part)."""
+    out = tmp_path / "o"
+    real = results.write_durably
+
+    def full_at_manifest(folder: Path, name: str, *args: object, **kwargs: object) -> None:
+        if name == "manifest.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(folder, name, *args, **kwargs)
+
+    with OutputFolder.open(out, FP) as folder:
+        writer = folder.writer(SCHEMA, 100, 1e9)
+        writer.add_row_group(samples(0))
+        writer.commit()
+        monkeypatch.setattr(results, "write_durably", full_at_manifest)
+        writer.add_row_group(samples(1))
+        writer.add_row_group(samples(2))
+        with pytest.raises(OutputFullError, match="3 rows are saved there"):
+            writer.commit()
+        monkeypatch.undo()
+    assert keys_of(read_back(out)) == [(i, k) for i in range(3) for k in range(2)]
+    with OutputFolder.open(out, FP) as folder:
+        assert folder.completed_ids() == {0, 1, 2} and folder.counts()["rows"] == 3
+

@@ -73,13 +73,15 @@ PROC_TIMEOUT = 240  # seconds; a loaded 2-core machine starts torch slowly
 
 
 def leftovers(out: Path) -> list[str]:
-    """Traces of an unfinished commit: temp files, and part files the manifest does not list."""
+    """Traces of an unfinished commit: what is in staging, temp files, and part files the
+    manifest does not list (one, committed by its rename, that the next open records)."""
     m = manifest_of(out)
     listed = {p["name"] for p in m["parts"]} if m else set()
+    hidden = out / ".batchgen"
     return sorted(
-        name
-        for name in os.listdir(out)
-        if name.endswith(".tmp") or (name.startswith("part-") and name not in listed)
+        [name for name in os.listdir(out) if name.startswith("part-") and name not in listed]
+        + [str(p.relative_to(out)) for p in (hidden / "staging").glob("*")]
+        + [str(p.relative_to(out)) for p in hidden.glob("*.tmp")]
     )
 
 
@@ -93,6 +95,8 @@ def check_folder(out: Path, kept: Tokens | None = None) -> dict[str, int]:
     asserting that samples already in it were not changed. Returns the figures."""
     m = manifest_of(out)
     assert m is not None
+    # Nothing but the results is visible: the bookkeeping is under .batchgen/.
+    assert all(n == ".batchgen" or n.startswith("part-") for n in os.listdir(out))
     for part in m["parts"]:
         assert (out / part["name"]).is_file(), f"listed part {part['name']} is missing"
     for name in sorted(os.listdir(out)):
@@ -156,10 +160,11 @@ def wait_for_commit(proc: subprocess.Popen[str], out: Path, rows_before: int) ->
 
 
 def wait_for_temp_file(proc: subprocess.Popen[str], out: Path, timeout: float) -> bool:
-    """Poll (fast) until a commit's temp file exists: a kill now lands inside a commit."""
+    """Poll (fast) until a commit's staged part exists: a kill now lands inside a commit."""
     deadline = time.monotonic() + timeout
+    staging = out / ".batchgen" / "staging"
     while time.monotonic() < deadline and proc.poll() is None:
-        if any(name.endswith(".tmp") for name in os.listdir(out)):
+        if staging.is_dir() and any(True for _ in staging.iterdir()):
             return True
         time.sleep(0.0005)
     return False
@@ -438,9 +443,9 @@ def model(tiny_model) -> Path:
 def snapshot(out: Path) -> dict[str, tuple[int, bytes]]:
     """Every file but the lock: mtime and bytes."""
     return {
-        name: ((out / name).stat().st_mtime_ns, (out / name).read_bytes())
-        for name in sorted(os.listdir(out))
-        if name != ".batchgen.lock"
+        str(path.relative_to(out)): (path.stat().st_mtime_ns, path.read_bytes())
+        for path in sorted(out.rglob("*"))
+        if path.is_file() and path.relative_to(out) != Path(".batchgen", "lock")
     }
 
 

@@ -2,7 +2,7 @@
 server mode, started here on 127.0.0.1; ``moto[server]`` is in the test extra).
 
 The commit protocol on object storage (batchgen.results, ObjectOutputFolder): a part is staged
-under a unique ``_staging/`` name, the manifest listing it is the commit point, the part is
+under a unique ``.batchgen/staging/`` name, the manifest listing it is the commit point, the part is
 then copied to ``part-NNNNN.parquet``. Readers of the prefix see committed rows only; a crash at
 any step leaves a folder that resumes exactly once; a second writer is refused (a lease object
 per writer, batchgen.storage.ObjectLease). The kill -9 test prints its figures (``pytest -s``).
@@ -31,8 +31,15 @@ import yaml
 
 from batchgen.errors import JobError
 from batchgen.job import load_job
-from batchgen.results import COMMIT_STEPS, MANIFEST_NAME, ObjectOutputFolder, OutputFolder
+from batchgen.results import (
+    COMMIT_STEPS,
+    MANIFEST_NAME,
+    REPORT_NAME,
+    ObjectOutputFolder,
+    OutputFolder,
+)
 from batchgen.schema import error_rows, output_schema
+from batchgen.status import read_status
 from batchgen.storage import ObjectFolder, s3_filesystem
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import (
@@ -225,10 +232,10 @@ def test_crash_at_each_step_resumes_exactly_once(s3: Any, step: str) -> None:
     with pytest.raises(JobError, match="in use by another batchgen process"):
         OutputFolder.open(uri, FP)
     folder._lease = None  # ...so drop it as a killed process would (its pid's check aside)
-    store.delete(next(n for n in store.list() if n.startswith("_lease/")))
+    store.delete(next(n for n in store.list() if n.startswith(".batchgen/lease/")))
     with OutputFolder.open(uri, FP) as again:
         assert again.completed_ids() == (set(range(6)) if committed else set(range(3)))
-        assert not [n for n in names(s3) if n.startswith("_staging/")]
+        assert not [n for n in names(s3) if n.startswith(".batchgen/staging/")]
     assert [r["id"] for r in s3_results(s3)] == (list(range(6)) if committed else list(range(3)))
 
 
@@ -251,10 +258,11 @@ def test_stale_leases_are_taken_over(s3: Any, tmp_path: Path) -> None:
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
     )
     body = {"host": socket.gethostname(), "pid": int(dead.stdout), "token": "dead"}
-    store.put("_lease/dead.json", lambda f: f.write(json.dumps(body).encode()))
+    store.put(".batchgen/lease/dead.json", lambda f: f.write(json.dumps(body).encode()))
     with OutputFolder.open(uri, FP):
         pass
-    assert "_lease/dead.json" not in store.list()
+    assert ".batchgen/lease/dead.json" not in store.list()
+    # an earlier batchgen's lease (its layout's name) keeps this one out as well
     body = {"host": "another-host", "pid": 1, "token": "far"}
     store.put("_lease/far.json", lambda f: f.write(json.dumps(body).encode()))
     storage = load_job(
@@ -288,6 +296,74 @@ def test_a_writer_that_lost_its_lease_does_not_commit(s3: Any) -> None:
         assert manifest(s3)["totals"]["rows"] == 2
 
 
+# --------------------------------------------------------------------------- the earlier layout
+
+EARLIER = ("_report.json", "_batch_output.jsonl", "_manifest.json")
+
+
+def to_earlier_layout(store: ObjectFolder) -> None:
+    """A folder as an earlier batchgen left it: manifest and report beside the parts, and its
+    newest part committed but not published yet (a crash between the manifest's PUT and the
+    copy): staged under the earlier ``_staging/`` name only."""
+    manifest = json.loads(store.read_bytes(MANIFEST_NAME) or b"")
+    last = manifest["parts"][-1]
+    last["staged"] = f"_staging/{last['name'].removesuffix('.parquet')}-earlier.parquet"
+    store.copy(last["name"], last["staged"])
+    store.delete(last["name"])
+    store.put("_manifest.json", lambda f: f.write(json.dumps(manifest).encode()))
+    store.copy(REPORT_NAME, "_report.json")
+    for name in store.list():
+        if name.startswith(".batchgen/"):
+            store.delete(name)
+
+
+@pytest.mark.parametrize("crash", [None, "copy:0", "copy:1", "delete:0", "delete:2"])
+def test_an_earlier_folder_on_s3_is_migrated(
+    s3: Any, monkeypatch: pytest.MonkeyPatch, crash: str | None
+) -> None:
+    """status reads an earlier-layout folder; opening it migrates it (rolling its unpublished
+    part forward) also when an earlier open was killed at a copy or a delete of the migration;
+    no row is lost or repeated."""
+    uri = f"{s3.uri}/out"
+    with OutputFolder.open(uri, FP) as folder:
+        write_rows(folder, range(0, 3))
+        write_rows(folder, range(3, 5))
+        folder.write_report({"rows": 5, "elapsed_s": 1.0, "output_tokens_per_s": 20.0})
+    store = ObjectFolder(uri)
+    to_earlier_layout(store)
+    assert "5 rows" in read_status(uri) and "20.0 output tokens/s" in read_status(uri)
+    assert [r["id"] for r in s3_results(s3)] == [0, 1, 2]  # the unpublished part is hidden
+
+    if crash is not None:
+        op, at = crash.split(":")
+        real = getattr(ObjectFolder, op)
+        calls: list[str] = []
+
+        class Crash(Exception):
+            pass
+
+        def crashing(self: ObjectFolder, name: str, *rest: str) -> None:
+            if name in EARLIER:
+                if len(calls) == int(at):
+                    raise Crash(name)
+                calls.append(name)
+            real(self, name, *rest)
+
+        with monkeypatch.context() as m:
+            m.setattr(ObjectFolder, op, crashing)
+            with pytest.raises(Crash):
+                OutputFolder.open(uri, FP)  # the lease is released on the way out
+        assert "5 rows" in read_status(uri)
+        assert [r["id"] for r in s3_results(s3)] == [0, 1, 2]
+
+    with OutputFolder.open(uri, FP) as folder:
+        assert folder.completed_ids() == set(range(5))
+        assert folder.counts()["rows"] == 5
+    assert names(s3) == [MANIFEST_NAME, REPORT_NAME, "part-00000.parquet", "part-00001.parquet"]
+    assert [r["id"] for r in s3_results(s3)] == list(range(5))
+    assert "20.0 output tokens/s" in read_status(uri)
+
+
 # --------------------------------------------------------------------------- whole jobs
 
 
@@ -308,8 +384,8 @@ def test_job_from_s3_to_s3_equals_the_local_job(s3: Any, model: Path, tmp_path: 
     run_cli("run", str(job), "--quiet")
     assert s3_results(s3) == expected
     objects = names(s3)
-    assert [n for n in objects if not n.startswith("_")] == ["part-00000.parquet"]
-    assert not [n for n in objects if n.startswith(("_staging/", "_lease/"))]
+    assert [n for n in objects if not n.startswith(".")] == ["part-00000.parquet"]
+    assert not [n for n in objects if n.startswith((".batchgen/staging/", ".batchgen/lease/"))]
 
     status = run_cli("status", f"{s3.uri}/out").stdout
     assert "finished" in status and "10 of 10 rows" in status
@@ -322,7 +398,7 @@ def test_job_from_s3_to_s3_equals_the_local_job(s3: Any, model: Path, tmp_path: 
     assert "holds a different job" in refusal(invoke("run", job, "--set", "sampling.seed=9"))
     run_cli("run", str(job), "--quiet", "--fresh", "--set", "sampling.seed=9")
     assert s3_results(s3) != expected and len(s3_results(s3)) == len(expected)
-    assert [n for n in names(s3) if not n.startswith("_")] == ["part-00000.parquet"]
+    assert [n for n in names(s3) if not n.startswith(".")] == ["part-00000.parquet"]
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv"])
@@ -404,7 +480,7 @@ def test_sigkill_mid_job_then_resume_on_s3(s3: Any, model: Path, tmp_path: Path)
         if kills % 2 and proc.poll() is None:
             until = time.monotonic() + 20
             while proc.poll() is None and time.monotonic() < until and not staged:
-                staged = any(n.startswith("_staging/") for n in store.list())
+                staged = any(n.startswith(".batchgen/staging/") for n in store.list())
         if proc.poll() is not None:
             break  # it finished before a kill landed
         proc.kill()
@@ -437,7 +513,7 @@ def test_sigkill_mid_job_then_resume_on_s3(s3: Any, model: Path, tmp_path: Path)
     ] == []
     m = manifest(s3)
     assert m["finished"] and m["totals"]["rows"] == rows
-    assert not [n for n in names(s3) if n.startswith(("_staging/", "_lease/"))]
+    assert not [n for n in names(s3) if n.startswith((".batchgen/staging/", ".batchgen/lease/"))]
     print(
         f"\n[s3 kill -9] {rows} rows, {len(got)} samples, {kills} kills "
         f"({in_commit} with a commit in flight), "
@@ -481,7 +557,7 @@ def test_ray_job_on_s3(s3: Any, model: Path, tmp_path: Path) -> None:
         (r["id"], r["sample_index"]) for r in expected
     ]
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in expected]
-    report = json.loads(ObjectFolder(f"{s3.uri}/out").read_bytes("_report.json"))
+    report = json.loads(ObjectFolder(f"{s3.uri}/out").read_bytes(REPORT_NAME))
     assert report["executor"] == "ray" and report["num_workers"] == 2
 
 

@@ -50,7 +50,7 @@ def _model(tiny_model):
 
 
 def _report(out) -> dict:
-    return json.loads((out / "_report.json").read_text())
+    return json.loads((out / ".batchgen" / "report.json").read_text())
 
 
 def json_gaps(text: str) -> list[str]:

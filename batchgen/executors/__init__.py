@@ -48,7 +48,7 @@ class Executor(Protocol):
         ...
 
     def report(self) -> dict[str, Any]:
-        """The executor's part of ``_report.json``."""
+        """The executor's part of ``.batchgen/report.json``."""
         ...
 
     def close(self) -> None:

@@ -204,7 +204,7 @@ class RowGenerator:
         return rows
 
     def report(self) -> dict[str, Any]:
-        """The engine's figures for ``_report.json``."""
+        """The engine's figures for ``.batchgen/report.json``."""
         stats = self.engine.stats
         scheduler = self.engine.scheduler
         structured = None

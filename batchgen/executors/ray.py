@@ -59,7 +59,7 @@ from batchgen.prompts import EncodedRow
 from batchgen.schema import RowGroup, Totals
 
 QUEUED_SHARDS = 2  # a new round is planned when a worker holds fewer shards (running + queued)
-REPORTED_GROUPS = 100  # prefix groups listed per worker in _report.json (all are counted)
+REPORTED_GROUPS = 100  # prefix groups listed per worker in the report (all are counted)
 PREVIEW_CHARS = 60
 # ActorUnavailableError (a RayActorError in current Ray, named for clarity) is what a call gets
 # while Ray restarts the actor: a restart in progress, not a lost worker.
@@ -393,7 +393,8 @@ class RayExecutor:
     # -- end ----------------------------------------------------------------------------------
 
     def report(self) -> dict[str, Any]:
-        """The executor's part of ``_report.json``: sums over workers, and each worker's share."""
+        """The executor's part of ``.batchgen/report.json``: sums over workers, and each worker's
+        share."""
         workers = []
         for s in self.slots:
             t = s.totals

@@ -66,6 +66,9 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # per-pair divisors of the inverse frequencies [head_dim/2], applied before the scaling type
+    # (a GGUF file's rope_freqs.weight: how llama.cpp stores Llama 3.1-style scaling)
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int) -> RopeConfig:
             mscale=_opt_float(params.get("mscale")),
             mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
             truncate=bool(params.get("truncate", True)),
+            freq_factors=_opt_floats(params.get("freq_factors")),
         )
     except (TypeError, ValueError) as err:
         raise ModelError(f"invalid rope parameters in {path}: {one_line(err)}") from None
@@ -214,6 +218,10 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int) -> RopeConfig:
 
 def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def _opt_floats(value: Any) -> tuple[float, ...] | None:
+    return None if value is None else tuple(float(v) for v in value)
 
 
 def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:

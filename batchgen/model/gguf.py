@@ -112,11 +112,6 @@ class GgufModel:
                     f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name}) in "
                     f"{path}; supported: {', '.join(SUPPORTED_TYPES)}"
                 )
-        if "rope_freqs.weight" in self.tensors:
-            raise ModelError(
-                f"unsupported GGUF file {path}: per-dimension RoPE frequency factors "
-                "(rope_freqs.weight, Llama 3.1-style scaling)"
-            )
 
     @staticmethod
     def open(path: Path) -> GgufModel:
@@ -170,6 +165,19 @@ class GgufModel:
             if original is not None:
                 params["original_max_position_embeddings"] = original
             raw["rope_scaling"] = params
+        if "rope_freqs.weight" in self.tensors:  # Llama 3.1-style scaling, precomputed
+            factors = self._dequantize(self.tensors["rope_freqs.weight"]).reshape(-1)
+            rope_dim = head_dim or raw["hidden_size"] // raw["num_attention_heads"]
+            if factors.size != rope_dim // 2:
+                raise ModelError(
+                    f"GGUF file {self.path}: rope_freqs.weight has {factors.size} entries; "
+                    f"head_dim {rope_dim} needs {rope_dim // 2}"
+                )
+            raw["rope_parameters"] = {
+                "rope_type": "default",
+                "rope_theta": raw["rope_theta"],
+                "freq_factors": factors.tolist(),
+            }
         eos = [self.field("tokenizer.ggml.eos_token_id")]
         eot = self.field("tokenizer.ggml.eot_token_id")  # end of turn, where it differs
         return raw, tuple(dict.fromkeys(int(i) for i in [*eos, eot] if i is not None))
@@ -192,9 +200,19 @@ class GgufModel:
 
     def load(self, hf_name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """One tensor under its Hugging Face name and layout, dequantized and cast."""
+        t = self.tensors[gguf_name(hf_name)]
+        data = self._dequantize(t).reshape(self.shape(hf_name))
+        if self.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = self._arch_field("llama", "attention.head_count")
+            if t.name.endswith("attn_k.weight"):
+                heads = self._arch_field("llama", "attention.head_count_kv", heads)
+            data = _unpermute_rows(data, heads)
+        return torch.from_numpy(data).to(device=device, dtype=dtype)
+
+    def _dequantize(self, t: Any) -> np.ndarray:
+        """A tensor's values as a writable float32 array (in the file's row-major layout)."""
         from gguf.quants import dequantize
 
-        t = self.tensors[gguf_name(hf_name)]
         try:
             data = dequantize(t.data, t.tensor_type)
         except Exception as err:
@@ -203,14 +221,7 @@ class GgufModel:
                 f"{_one_line(err)}"
             ) from None
         # a copy where the data is the file's read-only memory map (F32 tensors)
-        data = np.array(data, dtype=np.float32, copy=not data.flags.writeable)
-        data = data.reshape(self.shape(hf_name))
-        if self.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = self._arch_field("llama", "attention.head_count")
-            if t.name.endswith("attn_k.weight"):
-                heads = self._arch_field("llama", "attention.head_count_kv", heads)
-            data = _unpermute_rows(data, heads)
-        return torch.from_numpy(data).to(device=device, dtype=dtype)
+        return np.array(data, dtype=np.float32, copy=not data.flags.writeable)
 
     def describe(self, dtype: torch.dtype) -> str:
         """``Q4_1 x210, F32 x61, Q8_0 x1; 98 MB file -> 538 MB in float32``."""

@@ -29,6 +29,10 @@ def rope_inv_freq(
     """
     dim = head_dim
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != dim // 2:
+            raise ValueError(f"{len(rope.freq_factors)} RoPE frequency factors for head_dim {dim}")
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type in ("default", "dynamic"):
         return inv_freq, 1.0
     if rope.rope_type == "linear":
