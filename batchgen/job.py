@@ -265,7 +265,8 @@ JSON_KEYS = ("json_schema", "json_schema_file", "json")
 
 
 class StructuredConfig(_Section):
-    """``sampling.structured:``: the form every output must take; exactly one key is set.
+    """``sampling.structured:``: the form every output must take; exactly one constraint key is
+    set (or ``json_layout`` alone, see below).
 
     ``json_schema`` (a mapping) or ``json_schema_file`` (a path, relative to the job file): a
     JSON value valid against the schema; ``json: true``: any JSON object; ``regex``: text the
@@ -291,36 +292,27 @@ class StructuredConfig(_Section):
     grammar: str | None = Field(default=None, min_length=1)
     json_layout: Literal["auto", "compact"] = "auto"
 
-    @property
-    def constraint_key(self) -> str | None:
-        """The constraint key that is set (``json`` for ``json: true``); None when only
-        ``json_layout`` is."""
-        for name, value in (
+    def _constraint_keys(self) -> list[str]:
+        """The constraint keys that are set (``json`` for ``json: true``)."""
+        values = (
             ("json_schema", self.json_schema),
             ("json_schema_file", self.json_schema_file),
             ("json", self.json_object or None),
             ("regex", self.regex),
             ("choice", self.choice),
             ("grammar", self.grammar),
-        ):
-            if value is not None:
-                return name
-        return None
+        )
+        return [name for name, value in values if value is not None]
+
+    @property
+    def constraint_key(self) -> str | None:
+        """The constraint key that is set; None when only ``json_layout`` is."""
+        given = self._constraint_keys()
+        return given[0] if given else None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredConfig:
-        given = [
-            name
-            for name, value in (
-                ("json_schema", self.json_schema),
-                ("json_schema_file", self.json_schema_file),
-                ("json", self.json_object or None),
-                ("regex", self.regex),
-                ("choice", self.choice),
-                ("grammar", self.grammar),
-            )
-            if value is not None
-        ]
+        given = self._constraint_keys()
         keys = "json_schema, json_schema_file, json: true, regex, choice, grammar"
         if len(given) > 1:
             raise ValueError(f"set only one of {keys} (got {', '.join(given)})")
