@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchgen.errors import JobError
-from batchgen.job import Job
+from batchgen.job import JSON_KEYS, Job
 
 FINGERPRINT_KEYS = ("model", "input", "sampling", "numerics")
 # Kept readable rather than hashed: a mismatch names both values.
@@ -80,11 +80,18 @@ def fingerprint(
 
 def _sampling(job: Job) -> dict[str, Any]:
     """The sampling settings as the fingerprint records them: ``structured`` only when set (so
-    folders from before structured outputs resume), a schema file by its content, not its path."""
+    folders from before structured outputs resume), a schema file by its content, not its path.
+
+    ``json_layout`` is recorded for jobs with JSON outputs (a JSON key or input.schema_column),
+    except ``compact``: that was the only layout before the key existed, so folders written then
+    resume with ``json_layout: compact`` and refuse the default (their rows are compact)."""
     sampling = job.sampling.model_dump(mode="json", exclude={"structured"})
     structured = job.sampling.structured
+    spec: dict[str, Any] = {}
     if structured is not None:
-        spec = structured.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+        spec = structured.model_dump(
+            mode="json", by_alias=True, exclude_defaults=True, exclude={"json_layout"}
+        )
         if structured.json_schema_file is not None:
             path = structured.json_schema_file
             try:
@@ -94,6 +101,13 @@ def _sampling(job: Job) -> dict[str, Any]:
                     f"sampling.structured.json_schema_file: cannot read {path}: "
                     f"{err.strerror or err}"
                 ) from None
+    layout = structured.json_layout if structured is not None else "auto"
+    json_output = job.input.schema_column is not None or (
+        structured is not None and structured.constraint_key in JSON_KEYS
+    )
+    if json_output and layout != "compact":
+        spec["json_layout"] = layout
+    if spec:  # empty for json_layout: compact alone, recorded as before the key existed
         sampling["structured"] = spec
     return sampling
 

@@ -260,14 +260,24 @@ class OutputConfig(_Section):
     commit_seconds: Float = Field(default=5.0, gt=0)
 
 
+# The structured-output keys whose outputs are JSON (``json`` is ``json: true``).
+JSON_KEYS = ("json_schema", "json_schema_file", "json")
+
+
 class StructuredConfig(_Section):
-    """``sampling.structured:``: the form every output must take; exactly one key is set.
+    """``sampling.structured:``: the form every output must take; exactly one constraint key is
+    set (or ``json_layout`` alone, see below).
 
     ``json_schema`` (a mapping) or ``json_schema_file`` (a path, relative to the job file): a
     JSON value valid against the schema; ``json: true``: any JSON object; ``regex``: text the
     expression matches as a whole; ``choice``: exactly one of the strings; ``grammar``: a Lark
     grammar (llguidance's dialect, start rule ``start``). Whether the library accepts the schema,
     expression or grammar is checked when the job starts (:mod:`batchgen.structured`).
+
+    ``json_layout`` applies to every JSON output (the keys above and the rows' schemas of
+    ``input.schema_column``): ``auto`` allows the whitespace models write between JSON tokens,
+    bounded per gap; ``compact`` allows none. It may be given alone only with
+    ``input.schema_column`` (checked by :class:`Job`); with regex, choice or grammar it is an error.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
@@ -280,26 +290,40 @@ class StructuredConfig(_Section):
         default=None, min_length=1, strict=False
     )
     grammar: str | None = Field(default=None, min_length=1)
+    json_layout: Literal["auto", "compact"] = "auto"
+
+    def _constraint_keys(self) -> list[str]:
+        """The constraint keys that are set (``json`` for ``json: true``)."""
+        values = (
+            ("json_schema", self.json_schema),
+            ("json_schema_file", self.json_schema_file),
+            ("json", self.json_object or None),
+            ("regex", self.regex),
+            ("choice", self.choice),
+            ("grammar", self.grammar),
+        )
+        return [name for name, value in values if value is not None]
+
+    @property
+    def constraint_key(self) -> str | None:
+        """The constraint key that is set; None when only ``json_layout`` is."""
+        given = self._constraint_keys()
+        return given[0] if given else None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredConfig:
-        given = [
-            name
-            for name, value in (
-                ("json_schema", self.json_schema),
-                ("json_schema_file", self.json_schema_file),
-                ("json", self.json_object or None),
-                ("regex", self.regex),
-                ("choice", self.choice),
-                ("grammar", self.grammar),
-            )
-            if value is not None
-        ]
-        if len(given) != 1:
-            keys = "json_schema, json_schema_file, json: true, regex, choice, grammar"
-            if given:
-                raise ValueError(f"set only one of {keys} (got {', '.join(given)})")
+        given = self._constraint_keys()
+        keys = "json_schema, json_schema_file, json: true, regex, choice, grammar"
+        if len(given) > 1:
+            raise ValueError(f"set only one of {keys} (got {', '.join(given)})")
+        layout_given = "json_layout" in self.model_fields_set
+        if not given and not layout_given:
             raise ValueError(f"set one of {keys}")
+        if given and given[0] not in JSON_KEYS and layout_given:
+            raise ValueError(
+                f"json_layout applies to JSON outputs (json_schema, json_schema_file, json: true "
+                f"or input.schema_column), not to {given[0]}"
+            )
         if self.choice is not None and len(set(self.choice)) != len(self.choice):
             raise ValueError("choice lists a string twice")
         return self
@@ -441,6 +465,17 @@ class Job(_Section):
         """``model`` as a hub id (``org/name``), None when it is a local folder."""
         text = self.model.as_posix()
         return text if not self.model.is_absolute() and _HUB_ID_RE.match(text) else None
+
+    @model_validator(mode="after")
+    def _json_layout_needs_json(self) -> Job:
+        # json_layout alone lays out the rows' own schemas; without them it would do nothing.
+        spec = self.sampling.structured
+        if spec is not None and spec.constraint_key is None and self.input.schema_column is None:
+            raise ValueError(
+                "sampling.structured.json_layout: there is no JSON output to lay out; set "
+                "json_schema, json_schema_file or json: true beside it, or input.schema_column"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -694,6 +729,7 @@ __all__ = [
     "OPENAI_BATCH_FIXED",
     "ROW_SAMPLING_KEYS",
     "InputConfig",
+    "JSON_KEYS",
     "Job",
     "OutputConfig",
     "SamplingConfig",

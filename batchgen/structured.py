@@ -73,12 +73,14 @@ class StructuredOutputs:
         self._compiler: GrammarCompiler | None = None
         self._rows: OrderedDict[str, CompiledGrammar | GrammarError] = OrderedDict()
         self.job_grammar: CompiledGrammar | None = None
+        spec = job.sampling.structured
+        # the layout of every JSON output: the job-level one and the rows' own schemas
+        self.json_layout = spec.json_layout if spec is not None else "auto"
         if self.enabled:
             self._compiler = GrammarCompiler(
                 tokenizer, info.vocab_size, info.eos_token_ids, limits or GrammarLimits()
             )
-        spec = job.sampling.structured
-        if spec is not None:
+        if spec is not None and spec.constraint_key is not None:
             assert self._compiler is not None
             key, compile_ = _job_constraint(spec, self._compiler)
             try:
@@ -119,7 +121,9 @@ class StructuredOutputs:
             self._rows.move_to_end(text)
             return hit
         try:
-            compiled: CompiledGrammar | GrammarError = self._compiler.json_schema(text)
+            compiled: CompiledGrammar | GrammarError = self._compiler.json_schema(
+                text, self.json_layout
+            )
         except GrammarError as err:
             compiled = err
         self._rows[text] = compiled
@@ -130,9 +134,10 @@ class StructuredOutputs:
 
 def _job_constraint(spec: StructuredConfig, compiler: GrammarCompiler) -> tuple[str, Any]:
     """(the key set, a function compiling it) for the job-level constraint."""
+    layout = spec.json_layout
     if spec.json_schema is not None:
         text = json.dumps(spec.json_schema)
-        return "json_schema", lambda: compiler.json_schema(text)
+        return "json_schema", lambda: compiler.json_schema(text, layout)
     if spec.json_schema_file is not None:
         path = spec.json_schema_file
 
@@ -147,11 +152,11 @@ def _job_constraint(spec: StructuredConfig, compiler: GrammarCompiler) -> tuple[
                 raise GrammarError(f"{path} is not valid JSON: {err}") from None
             if not isinstance(schema, dict):
                 raise GrammarError(f"{path} holds no JSON object")
-            return compiler.json_schema(json.dumps(schema))
+            return compiler.json_schema(json.dumps(schema), layout)
 
         return "json_schema_file", from_file
     if spec.json_object:
-        return "json", lambda: compiler.json_schema(_ANY_JSON_OBJECT)
+        return "json", lambda: compiler.json_schema(_ANY_JSON_OBJECT, layout)
     if spec.regex is not None:
         regex = spec.regex
         return "regex", lambda: compiler.regex(regex)

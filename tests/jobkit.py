@@ -58,7 +58,7 @@ def write_job_file(tmp: Path, job: Mapping[str, Any] | str, name: str = "job.yam
     are malformed on purpose). No prompts file is written."""
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / name
-    path.write_text(job if isinstance(job, str) else yaml.safe_dump(dict(job)))
+    path.write_text(job if isinstance(job, str) else yaml.safe_dump(dict(job), sort_keys=False))
     return path
 
 

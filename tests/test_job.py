@@ -491,3 +491,90 @@ def test_override_value_that_yaml_reads_as_comment(tmp_path: Path) -> None:
     job = job_from(tmp_path, overrides=["sampling.stop=###"])
     assert job.sampling.stop == ("###",)
     assert job_from(tmp_path, overrides=["sampling.stop="]).sampling.stop == ()
+
+
+# --------------------------------------------------------------------------- structured.json_layout
+
+SMALL_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("structured", "input_extra", "expected"),
+    [
+        (
+            {"json": True, "json_layout": "pretty"},
+            {},
+            "sampling.structured.json_layout: must be 'auto' or 'compact' (got 'pretty')",
+        ),
+        (
+            {"json": True, "json_layout": None},
+            {},
+            "sampling.structured.json_layout: must be 'auto' or 'compact' (got None)",
+        ),
+        (
+            {"regex": "[ab]+", "json_layout": "auto"},
+            {},
+            "sampling.structured: json_layout applies to JSON outputs (json_schema, "
+            "json_schema_file, json: true or input.schema_column), not to regex",
+        ),
+        ({"choice": ["x"], "json_layout": "compact"}, {}, "not to choice"),
+        ({"grammar": "start: /a/", "json_layout": "compact"}, {}, "not to grammar"),
+        (
+            {"json_layout": "compact"},
+            {},
+            "sampling.structured.json_layout: there is no JSON output to lay out; set "
+            "json_schema, json_schema_file or json: true beside it, or input.schema_column",
+        ),
+    ],
+)
+def test_bad_json_layout_is_one_line_naming_the_key(
+    tmp_path: Path, structured: dict, input_extra: dict, expected: str
+) -> None:
+    extra = {"sampling": {"structured": structured}, "input": input_extra}
+    message = error_of(tmp_path, extra)
+    assert expected in message and "\n" not in message, message
+
+
+def test_json_layout_defaults_to_auto_and_may_stand_alone_with_row_schemas(tmp_path: Path) -> None:
+    job = job_from(tmp_path, {"sampling": {"structured": {"json_schema": SMALL_SCHEMA}}})
+    assert job.sampling.structured.json_layout == "auto"
+    alone = {"sampling": {"structured": {"json_layout": "compact"}}}
+    job = job_from(tmp_path, {**alone, "input": {"schema_column": "s"}})
+    assert job.sampling.structured.json_layout == "compact"
+    assert job.sampling.structured.constraint_key is None
+    job = job_from(tmp_path, {**alone, "input": {"format": "openai_batch"}})  # response_format
+    assert job.sampling.structured.json_layout == "compact"
+    over = ["sampling.structured.json=true", "sampling.structured.json_layout=compact"]
+    job = job_from(tmp_path, overrides=over)
+    assert (job.sampling.structured.constraint_key, job.sampling.structured.json_layout) == (
+        "json",
+        "compact",
+    )
+
+
+# The sampling fingerprints that batchgen recorded before json_layout existed (every JSON output
+# was compact then), for the jobs of test_fingerprint_records_json_layout.
+BEFORE_JSON_LAYOUT = {"json_schema": "ff92e2dd8226915d", "schema_column": "bf532c90293592e5"}
+BEFORE_JSON_LAYOUT_REGEX = "29d68b9f3118a6d2"
+
+
+def test_fingerprint_records_json_layout(tmp_path: Path) -> None:
+    def sampling_fp(structured: dict | None, input_extra: dict | None = None) -> str:
+        extra = {"sampling": {"structured": structured}, "input": input_extra or {}}
+        return fingerprint(job_from(tmp_path, extra), "model-A", "files-A")["sampling"]
+
+    # a job-level JSON constraint: the layouts differ; compact is what folders recorded before
+    for key, value in [("json_schema", SMALL_SCHEMA), ("json", True)]:
+        auto = sampling_fp({key: value})
+        assert sampling_fp({key: value, "json_layout": "auto"}) == auto
+        assert sampling_fp({key: value, "json_layout": "compact"}) != auto
+    assert sampling_fp({"json_schema": SMALL_SCHEMA}) != BEFORE_JSON_LAYOUT["json_schema"]
+    compact = {"json_schema": SMALL_SCHEMA, "json_layout": "compact"}
+    assert sampling_fp(compact) == BEFORE_JSON_LAYOUT["json_schema"]
+    # the rows' own schemas follow json_layout too
+    rows = {"schema_column": "s"}
+    assert sampling_fp(None, rows) != BEFORE_JSON_LAYOUT["schema_column"]
+    assert sampling_fp({"json_layout": "auto"}, rows) == sampling_fp(None, rows)
+    assert sampling_fp({"json_layout": "compact"}, rows) == BEFORE_JSON_LAYOUT["schema_column"]
+    # constraints that are not JSON keep their fingerprints
+    assert sampling_fp({"regex": "[ab]+"}) == BEFORE_JSON_LAYOUT_REGEX

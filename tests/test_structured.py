@@ -16,7 +16,9 @@ import time
 import jsonschema
 import pyarrow as pa
 import pytest
+import torch
 
+from batchgen.engine.grammar import JSON_GAP_MAX_CHARS
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import (
     committed_rows,
@@ -51,20 +53,153 @@ def _report(out) -> dict:
     return json.loads((out / ".batchgen" / "report.json").read_text())
 
 
+def json_gaps(text: str) -> list[str]:
+    """The whitespace runs of JSON text outside its strings (the layout's gaps)."""
+    gaps, run, in_string, escaped = [], "", False, False
+    for ch in text:
+        if in_string:
+            in_string = escaped or ch != '"'
+            escaped = not escaped and ch == "\\"
+        elif ch in " \t\r\n":
+            run += ch
+            continue
+        else:
+            in_string = ch == '"'
+        if run:
+            gaps.append(run)
+            run = ""
+    return gaps + ([run] if run else [])
+
+
+def test_json_gaps() -> None:
+    text = '{ "a b" :\n  "x\\" y",\t"c":[1,  2]}'
+    assert json_gaps(text) == [" ", " ", "\n  ", "\t", "  "]
+
+
+# A random model finds whitespace tokens wherever a gap allows them, so in the auto layout its
+# samples need room for JSON_GAP_MAX_CHARS whitespace characters in most gaps.
+@pytest.mark.parametrize("layout, max_tokens", [("auto", 192), ("compact", 64)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_json_schema_outputs_validate(tiny_model, tmp_path, seed) -> None:
-    sampling = {**BASE, "seed": seed, "structured": {"json_schema": SCHEMA}}
+def test_json_schema_outputs_validate(tiny_model, tmp_path, seed, layout, max_tokens) -> None:
+    structured = {"json_schema": SCHEMA, "json_layout": layout}
+    sampling = {**BASE, "seed": seed, "max_tokens": max_tokens, "structured": structured}
     rows = run_job(write_job(tmp_path, _model(tiny_model), PROMPTS, sampling=sampling))
     assert len(rows) == 2 * len(PROMPTS)
     stopped = [r for r in rows if r["finish_reason"] == "stop"]
     assert len(stopped) >= len(rows) // 2, [r["text"] for r in rows]
+    bound = JSON_GAP_MAX_CHARS if layout == "auto" else 0
+    for r in rows:
+        assert r["text"] == r["text"].lstrip()  # no whitespace before the value
+        assert all(len(gap) <= bound for gap in json_gaps(r["text"])), r["text"]
     for r in stopped:
+        assert r["text"] == r["text"].rstrip()  # nor after it
         jsonschema.validate(json.loads(r["text"]), SCHEMA)
-        assert r["text"] == r["text"].strip()  # no free whitespace
+    if layout == "auto":  # the random model does use the room it has
+        assert max(len(g) for r in rows for g in json_gaps(r["text"])) == bound
     report = _report(tmp_path / "out")["structured"]
     assert report["constrained_samples"] == len(rows)
     assert report["complete_samples"] == len(stopped)
     assert report["compile_s"] > 0 and 0 <= report["mask_share"] < 1
+
+
+NESTED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "people": {"type": "array", "items": SCHEMA, "minItems": 2, "maxItems": 2},
+        "note": {"type": "string", "maxLength": 8},
+    },
+    "required": ["people", "note"],
+    "additionalProperties": False,
+}
+
+
+def whitespace_loving_decode(model_dir, layout: str, schema: dict) -> tuple[str, bool]:
+    """Greedy decoding under the grammar with rigged logits: random ones, plus 100 on every
+    token that is all whitespace (so the mask alone must end each gap). Returns the text and
+    whether the grammar accepted it when EOS came."""
+    from batchgen.engine.grammar import GrammarCompiler, apply_masks
+    from batchgen.model.config import read_model_info
+    from batchgen.model.loader import load_tokenizer
+
+    tokenizer, info = load_tokenizer(model_dir), read_model_info(model_dir)
+    vocab = info.vocab_size
+    spaces = [i for i in range(len(tokenizer)) if (t := tokenizer.decode([i])) and t.isspace()]
+    assert len(spaces) >= 4, "a vocabulary with whitespace tokens"
+    bias = torch.zeros(vocab)
+    bias[spaces] = 100.0
+    matcher = GrammarCompiler(tokenizer, vocab, info.eos_token_ids).json_schema(
+        json.dumps(schema), layout
+    ).start()
+    generator = torch.Generator().manual_seed(0)
+    ids: list[int] = []
+    for _ in range(2000):
+        logits = torch.randn(1, vocab, generator=generator) + bias
+        apply_masks(logits, [matcher])
+        token = int(logits.argmax())
+        if token in info.eos_token_ids:
+            return tokenizer.decode(ids), matcher.accepting
+        matcher.consume(token)
+        ids.append(token)
+    raise AssertionError(f"no EOS after {len(ids)} tokens: {tokenizer.decode(ids)!r}")
+
+
+@pytest.mark.parametrize("layout", ["auto", "compact"])
+@pytest.mark.parametrize("model", ["tiny", "real"])
+def test_whitespace_loving_model_ends_within_the_bound(tiny_model, model, layout) -> None:
+    """No runaway: a model that always prefers whitespace writes at most JSON_GAP_MAX_CHARS
+    whitespace characters per gap (auto) or none (compact), and its JSON validates."""
+    from tests import real_model
+
+    model_dir = _model(tiny_model) if model == "tiny" else real_model.gguf()
+    text, accepted = whitespace_loving_decode(model_dir, layout, NESTED_SCHEMA)
+    assert accepted, text
+    jsonschema.validate(json.loads(text), NESTED_SCHEMA)
+    assert text == text.strip()
+    gaps = [len(g) for g in json_gaps(text)]
+    if layout == "compact":
+        assert gaps == [], text
+    else:  # the bias fills gaps to the bound, and the mask ends each one there
+        assert max(gaps) == JSON_GAP_MAX_CHARS, text
+
+
+def allowed_tokens(matcher, vocab: int) -> set[int]:
+    """The token ids a matcher allows next."""
+    words = torch.empty((vocab + 31) // 32, dtype=torch.int32)
+    matcher.fill_mask(words)
+    bits = ((words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)[:vocab]
+    return set(bits.nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("model", ["tiny", "real"])
+@pytest.mark.parametrize(
+    "choices", [["positive", "negative", "neutral"], [" positive", " negative", " neutral"]]
+)
+def test_choice_starts_with_its_own_first_token(tiny_model, model, choices) -> None:
+    """A choice's first token is that of its own tokenization (so no bare " " before a word);
+    the rest may be spelled in any tokenization; and a sample ends only on a whole choice."""
+    from batchgen.engine.grammar import GrammarCompiler
+    from batchgen.model.config import read_model_info
+    from batchgen.model.loader import load_tokenizer
+    from tests import real_model
+
+    model_dir = _model(tiny_model) if model == "tiny" else real_model.gguf()
+    tokenizer, info = load_tokenizer(model_dir), read_model_info(model_dir)
+    compiled = GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids).choice(choices)
+    canonical = {c: tokenizer.encode(c, add_special_tokens=False) for c in choices}
+    first = allowed_tokens(compiled.start(), info.vocab_size)
+    assert first == {ids[0] for ids in canonical.values()}, [tokenizer.decode([i]) for i in first]
+    assert not any(tokenizer.decode([i]).isspace() for i in first)
+    for choice, ids in canonical.items():
+        matcher = compiled.start()
+        matcher.consume(ids[0])
+        rest = choice[len(tokenizer.decode(ids[:1])) :]
+        if not rest:
+            assert matcher.accepting
+            continue
+        assert not matcher.accepting
+        # the rest's first character alone is allowed, though the tokenizer merges it
+        single = tokenizer.encode(rest[0], add_special_tokens=False)
+        assert len(single) == 1 and single[0] in allowed_tokens(matcher, info.vocab_size)
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -158,6 +293,22 @@ def test_per_row_schemas(tiny_model, tmp_path) -> None:
     assert stopped >= len(shapes), [r["text"] for r in rows]
 
 
+def test_row_schemas_follow_json_layout(tiny_model, tmp_path) -> None:
+    """``structured: {json_layout: ...}`` alone sets the layout of the rows' own schemas."""
+    texts = [json.dumps(SCHEMA)] * 6
+    table = pa.table({"id": list(range(6)), "prompt": PROMPTS[:6], "schema": texts})
+    gaps = {}
+    for layout in ("auto", "compact"):
+        sampling = {**BASE, "seed": 5, "max_tokens": 32, "structured": {"json_layout": layout}}
+        job = write_job(
+            tmp_path / layout, _model(tiny_model), table=table, sampling=sampling,
+            input_extra={"schema_column": "schema"},
+        )  # fmt: skip
+        gaps[layout] = [len(g) for r in run_job(job) for g in json_gaps(r["text"])]
+    assert gaps["compact"] == []
+    assert 0 < max(gaps["auto"]) <= JSON_GAP_MAX_CHARS
+
+
 def test_invalid_job_schema_exits_2_before_the_output_folder(tiny_model, tmp_path) -> None:
     model = _model(tiny_model)
     cases = [
@@ -165,6 +316,9 @@ def test_invalid_job_schema_exits_2_before_the_output_folder(tiny_model, tmp_pat
         ({"regex": "(ab"}, "sampling.structured.regex"),
         ({"grammar": "start: nothing_here"}, "sampling.structured.grammar"),
         ({"json_schema_file": "missing.json"}, "json_schema_file"),
+        ({"json": True, "json_layout": "tight"}, "sampling.structured.json_layout: must be"),
+        ({"choice": ["a", "b"], "json_layout": "compact"}, "json_layout applies to JSON"),
+        ({"json_layout": "compact"}, "sampling.structured.json_layout: there is no JSON"),
     ]
     for i, (structured, needle) in enumerate(cases):
         job = write_job(tmp_path / str(i), model, PROMPTS, sampling={"structured": structured})
@@ -193,7 +347,7 @@ def test_schema_file_and_json_object(tiny_model, tmp_path) -> None:
 
 INVARIANCE_SAMPLING = {
     "temperature": 0.8,
-    "max_tokens": 64,
+    "max_tokens": 192,  # room for the auto layout's gaps (see test_json_schema_outputs_validate)
     "n": 3,
     "seed": 11,
     "structured": {"json_schema": SCHEMA},

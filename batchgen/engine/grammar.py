@@ -25,10 +25,24 @@ import llguidance.hf
 import torch
 from torch import Tensor
 
-# JSON is generated compact (``,`` and ``:`` without spaces, no whitespace between tokens): free
+# JSON layouts (sampling.structured.json_layout). Whitespace never precedes the value nor
+# follows it, and outside strings it is only allowed in the gaps between JSON tokens (after
+# "{", "[", ",", around ":", before "}" and "]").
+#
+# auto: each gap holds at most JSON_GAP_MAX_CHARS whitespace characters. Models write JSON with
+# a space after ":" and ",", or a line break and indentation (``{\n  "name": "Bob",\n  ...``);
+# forcing them into another layout costs accuracy (README, "Structured outputs"). Unbounded
 # whitespace is the classic runaway (a model that prefers "\n" or " " emits it until
-# max_tokens), so JSON outputs allow none outside strings.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+# max_tokens); the bound lets a gap hold a line break ("\r\n" at most) and 16 columns of
+# indentation (4 levels at 4 spaces, 8 at 2), and caps what a whitespace-loving model can
+# waste at 18 characters per gap. llguidance matches the pattern once per gap (never repeated),
+# so the bound is on the whole gap.
+JSON_GAP_MAX_CHARS = 18
+JSON_LAYOUTS: dict[str, dict[str, Any]] = {
+    "auto": {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{1,{JSON_GAP_MAX_CHARS}}}"},
+    # compact: "," and ":" without spaces and no whitespace between tokens
+    "compact": {"whitespace_flexible": False},
+}
 
 
 class GrammarError(ValueError):
@@ -115,6 +129,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.limits = limits
         self.seconds = 0.0
+        self._hf_tokenizer = tokenizer
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids)
         )
@@ -125,12 +140,13 @@ class GrammarCompiler:
             verbose_errors=False,
         )
 
-    def json_schema(self, schema_text: str) -> CompiledGrammar:
-        """A JSON value that validates against ``schema_text`` (a JSON schema, as JSON text)."""
+    def json_schema(self, schema_text: str, layout: str = "auto") -> CompiledGrammar:
+        """A JSON value that validates against ``schema_text`` (a JSON schema, as JSON text),
+        in ``layout`` (a key of :data:`JSON_LAYOUTS`)."""
         self._check_size(schema_text)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema_text, defaults=_JSON_OPTIONS
+                schema_text, defaults=JSON_LAYOUTS[layout]
             )
         except ValueError as err:
             raise GrammarError(_one_line(str(err))) from None
@@ -148,9 +164,27 @@ class GrammarCompiler:
         return self._compile(llguidance.LLMatcher.grammar_from_lark(f"start: /{lark_regex}/\n"))
 
     def choice(self, choices: Sequence[str]) -> CompiledGrammar:
-        """Exactly one of ``choices``."""
-        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-        return self.lark(f"start: {alternatives}\n")
+        """Exactly one of ``choices``, whose first token is the first token of the choice's own
+        tokenization; the tokens after it are free (any tokenization of the rest).
+
+        The output text is the choice exactly. Without the first token pinned, a choice that
+        starts with a space (" positive") could begin with a bare " " token: a greedy model
+        takes it (its probability is that of a space before any word), then has to spell the
+        word without its space, a tokenization it never saw (README, "Structured outputs").
+        When a choice's first token does not decode to a prefix of it (a byte split inside a
+        character), that choice is taken in any tokenization.
+        """
+        alternatives = []
+        for choice in choices:
+            ids = self._hf_tokenizer.encode(choice, add_special_tokens=False)
+            head = self._hf_tokenizer.decode(ids[:1]) if ids else ""
+            if head and choice.startswith(head) and ids[0] < self.vocab_size:
+                rest = choice[len(head) :]
+                tail = f" {json.dumps(rest, ensure_ascii=False)}" if rest else ""
+                alternatives.append(f"<[{ids[0]}]>{tail}")
+            else:
+                alternatives.append(json.dumps(choice, ensure_ascii=False))
+        return self.lark(f"start: {' | '.join(alternatives)}\n")
 
     def lark(self, grammar: str) -> CompiledGrammar:
         """A Lark-syntax grammar (llguidance's dialect) whose start rule is ``start``."""
