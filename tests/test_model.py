@@ -21,12 +21,12 @@ from batchgen.model.attention import (
     AttentionMetadata,
     TorchAttention,
 )
-from batchgen.model.config import read_model_info
 from batchgen.model.loader import (
     load_model,
     load_tokenizer,
     model_identity,
 )
+from batchgen.model.registry import read_model_info
 from batchgen.tiny_model import (
     END_OF_TURN_ID,
     EOS_ID,
@@ -186,7 +186,7 @@ def test_mlp_in_row_slices_matches_transformers(
     native: bool, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Steps longer than the MLP's row slice (1024 on the CPU) go through it slice by slice."""
-    from batchgen.model import llama
+    from batchgen.model.families import llama
 
     monkeypatch.setattr(llama, "_MLP_ROWS", 5)
     model, info = load(model_dirs["llama"], native)
@@ -431,7 +431,7 @@ def test_rope_scaling_matches_transformers(rope: dict, tmp_path: Path) -> None:
 
 
 def test_config_parsing(model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    from batchgen.model.config import read_model_config
+    from batchgen.model.registry import read_model_config
 
     copy = shutil.copytree(model_dirs["llama"], tmp_path / "legacy")
     base = json.loads((copy / "config.json").read_text())

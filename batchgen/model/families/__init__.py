@@ -1,0 +1,8 @@
+"""One module per architecture family, only the math and the checkpoint's names (shapes in
+comments); shared building blocks live in :mod:`batchgen.model.layers`:
+
+- ``llama``: Llama, Mistral, Qwen2, Qwen3 (dense).
+
+Each defines the :class:`~batchgen.model.architecture.Architecture` entries that
+:mod:`batchgen.model.registry` lists.
+"""
