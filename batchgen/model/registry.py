@@ -21,7 +21,7 @@ from batchgen.model.config import (
     model_info,
     raw_config,
 )
-from batchgen.model.families import llama
+from batchgen.model.families import llama, mixtral, qwen2_moe, qwen3_moe
 
 __all__ = [
     "ARCHITECTURES",
@@ -36,6 +36,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
         *llama.ARCHITECTURES,  # Llama, Mistral, Qwen2, Qwen3
+        qwen3_moe.ARCHITECTURE,
+        qwen2_moe.ARCHITECTURE,
+        mixtral.ARCHITECTURE,
     )
 }
 
