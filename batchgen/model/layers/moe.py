@@ -20,8 +20,9 @@ step, up to the GEMMs' rounding for other row counts).
   pairs (at most ``num_experts`` iterations per layer, whatever the token count); with a
   packed GEMM (:attr:`LayerBackend.gemm`), each expert's two weights are packed once at load
   (MKL in fp32, oneDNN in bf16) like the dense layers'.
-- CUDA: the grouped-GEMM Triton kernel ``batchgen.kernels.moe`` (each expert's slice padded to
-  the kernel's row tile, every tile of every expert in one launch per GEMM).
+- CUDA: the grouped-GEMM Triton kernel ``batchgen.kernels.fused_moe`` (each expert's slice
+  padded to the kernel's row tile, every tile of every expert in one launch per GEMM; no host
+  sync), then the same combine.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.silu_mul_: SiluMul = silu_mul(layers)
+        # CUDA: the Triton kernel (the parameters stay stacked; nothing is packed there)
         self.use_triton = layers.device.type == "cuda"
         # per expert, once packed (pack): the two GEMMs' packed layers; None: the parameters
         self.packed: list[tuple[PackedLinear | OneDnnLinear, PackedLinear | OneDnnLinear]] | None
@@ -128,10 +130,9 @@ class FusedExperts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """x ``[T, H]``, weights ``[T, k]`` fp32, ids ``[T, k]`` int64 -> ``[T, H]`` fp32."""
         if self.use_triton:
-            from batchgen.kernels.moe import fused_experts
+            from batchgen.kernels import fused_moe
 
-            pair_out = fused_experts(x, self.gate_up_proj, self.down_proj, ids)
-            return combine(pair_out, weights)
+            return combine(fused_moe(x, self.gate_up_proj, self.down_proj, ids), weights)
         return combine(self._pairs_torch(x, ids), weights)
 
     def _pairs_torch(self, x: Tensor, ids: Tensor) -> Tensor:
