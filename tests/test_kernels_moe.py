@@ -86,24 +86,30 @@ def test_fused_moe_strided_input_and_empty_step() -> None:
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
-def test_fused_moe_matches_the_cpu_path(dtype: torch.dtype) -> None:
-    """The kernel's pairs, weighted and combined as the model does, against the model's CPU
-    expert path (torch GEMMs per expert) on the same routing."""
+def test_model_experts_on_the_kernel_match_the_cpu_path(dtype: torch.dtype) -> None:
+    """The model's FusedExperts with its CUDA path (the kernel, then the combine) against the
+    same module's CPU path (torch GEMMs per expert) on the same routing."""
     from batchgen.model.layers.backend import LayerBackend
-    from batchgen.model.layers.moe import FusedExperts, combine, route
+    from batchgen.model.layers.moe import FusedExperts, route
 
     gen = torch.Generator().manual_seed(8)
     e, h, inter, t, k = 8, 64, 32, 12, 2
     w13, w2 = weights(e, h, inter, dtype, seed=8)
     x = torch.randn(t, h, generator=gen).to(dtype)
     w, ids = route(torch.randn(t, e, generator=gen), k, renormalize=True)
-    with torch.device("meta"):
-        cpu = FusedExperts(e, h, inter, LayerBackend.select(torch.device("cpu"), dtype, False))
-    cpu.gate_up_proj = torch.nn.Parameter(w13.cpu(), requires_grad=False)
-    cpu.down_proj = torch.nn.Parameter(w2.cpu(), requires_grad=False)
+
+    def experts(device: torch.device, use_triton: bool) -> FusedExperts:
+        with torch.device("meta"):
+            module = FusedExperts(e, h, inter, LayerBackend.select(device, dtype, False))
+        module.gate_up_proj = torch.nn.Parameter(w13.to(device), requires_grad=False)
+        module.down_proj = torch.nn.Parameter(w2.to(device), requires_grad=False)
+        module.use_triton = use_triton  # on CUDA it is already; interpreted here
+        return module
+
     with torch.no_grad():
-        want = cpu(x, w, ids)
-    got = combine(fused_moe(x.to(DEVICE), w13, w2, ids.to(DEVICE)), w.to(DEVICE)).cpu()
+        want = experts(torch.device("cpu"), False)(x, w, ids)
+        got = experts(DEVICE, True)(x.to(DEVICE), w.to(DEVICE), ids.to(DEVICE)).cpu()
+    assert got.dtype == torch.float32
     assert_moe_close(got, want, dtype)
 
 
