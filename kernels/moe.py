@@ -97,7 +97,9 @@ def align_by_expert(
     device = flat.device
     order = torch.argsort(flat, stable=True)  # [P]
     sorted_e = flat[order]
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E] pairs per expert; a scatter, not torch.bincount, which syncs with the host on CUDA
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
