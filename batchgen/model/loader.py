@@ -218,6 +218,7 @@ def load_model(
             )
         state[ours] = tensor
     model.load_state_dict(state, strict=True, assign=True)
+    state.clear()  # the model holds the weights now: packing can free each one it replaces
     model.rotary.to(device)
     model.eval().requires_grad_(False)
     model.pack_weights()
