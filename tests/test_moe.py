@@ -4,7 +4,7 @@ compute against its definition.
 - routing: top-k with ties to the lowest expert id, renormalization, HF's formula elsewhere;
 - the fused experts (sorted by expert, one GEMM pair per expert with tokens) against the
   token-by-token definition: experts with no token, tokens with identical expert sets, one token,
-  packed (MKL fp32, oneDNN bf16) and PyTorch weights;
+  MKL-packed (fp32) and PyTorch (fp32, bf16) weights;
 - teacher-forced logits of tiny random models of the three architectures through the paged cache
   (chunked prefill, decode, several sequences per step) against transformers, in both checkpoint
   layouts (per expert, as ``save_pretrained`` writes; transformers' fused tensors);
@@ -75,7 +75,7 @@ def test_route_is_transformers_router_without_ties() -> None:
 
 
 def experts_for(e: int, h: int, inter: int, dtype: torch.dtype, native: bool) -> FusedExperts:
-    """FusedExperts with random weights on the CPU; ``native``: packed for the backend's GEMM."""
+    """FusedExperts with random weights on the CPU; ``native``: packed for MKL (fp32)."""
     gen = torch.Generator().manual_seed(e * 100 + inter)
     layers = LayerBackend.select(CPU, dtype, native)
     with torch.device("meta"):
@@ -103,13 +103,17 @@ EXPERT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("native", [True, False], ids=["packed", "torch"])
+# the model's expert paths: MKL-packed in fp32 (the CPU's native path), F.linear on the stacked
+# weights in fp32 (native=False) and in bf16 (both modes: bf16 experts are never packed)
+PATHS = [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("native,dtype", PATHS, ids=["fp32-packed", "fp32-torch", "bf16"])
 @pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-k{c[2]}")
 def test_fused_experts_match_the_definition(case, native: bool, dtype: torch.dtype) -> None:
     t, e, k, given = case
     if native:
-        require("mkl" if dtype == torch.float32 else "onednn")
+        require("mkl")
     h, inter = 64, 24
     experts = experts_for(e, h, inter, dtype, native)
     gen = torch.Generator().manual_seed(t)

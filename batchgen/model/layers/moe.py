@@ -17,9 +17,10 @@ summed in slot order (so a token's result does not depend on which other tokens 
 step, up to the GEMMs' rounding for other row counts).
 
 - CPU (and any device without Triton): PyTorch GEMMs, a Python loop over the experts that have
-  pairs (at most ``num_experts`` iterations per layer, whatever the token count); with a
-  packed GEMM (:attr:`LayerBackend.gemm`), each expert's two weights are packed once at load
-  (MKL in fp32, oneDNN in bf16) like the dense layers'.
+  pairs (at most ``num_experts`` iterations per layer, whatever the token count); in fp32 with
+  MKL, each expert's two weights are packed once at load (:meth:`FusedExperts.pack`) like the
+  dense layers' (bf16 experts stay as they are: ``F.linear`` beat oneDNN-packed experts there,
+  see :meth:`batchgen.model.families.moe.MoeForCausalLM.pack_weights`).
 - CUDA: the grouped-GEMM Triton kernel ``batchgen.kernels.fused_moe`` (each expert's slice
   padded to the kernel's row tile, every tile of every expert in one launch per GEMM; no host
   sync), then the same combine.
@@ -113,8 +114,9 @@ class FusedExperts(nn.Module):
         self.packed = None
 
     def pack(self, gemm: object) -> int:
-        """Pack each expert's weights for the backend's GEMM (MKL / oneDNN), dropping the
-        stacked parameters; returns how many layers were packed."""
+        """Pack each expert's weights for ``gemm`` (MKL, or oneDNN, which the model does not
+        use for experts), dropping the stacked parameters; returns how many layers were
+        packed."""
         packed = []
         for e in range(self.num_experts):
             packed.append(
