@@ -201,6 +201,24 @@ def test_paged_logits_match_transformers(arch: str, native: bool, moe_dirs) -> N
         assert_close_logits(o, r)
 
 
+def test_sparse_block_in_row_slices_matches_transformers(
+    moe_dirs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps longer than the sparse block's row slice (1,024 tokens on the CPU) go through it
+    slice by slice: routing and experts per slice, the same logits."""
+    from batchgen.model.families import moe
+
+    monkeypatch.setattr(moe, "_MOE_ROWS", 5)
+    model_dir = moe_dirs["qwen2_moe"]
+    model, info = load_model(model_dir, CPU, torch.float32, TorchAttention(False), native=False)
+    gen = torch.Generator().manual_seed(2)
+    schedules = schedules_for(4)
+    seqs = [torch.randint(0, info.vocab_size, (sum(c),), generator=gen).tolist() for c in schedules]
+    ours = run_paged(model, seqs, schedules, 4, gen)
+    for o, r in zip(ours, hf_logits(model_dir, seqs), strict=True):
+        assert_close_logits(o, r)
+
+
 def test_fused_checkpoint_layout_loads_the_same_weights(moe_dirs, tmp_path: Path) -> None:
     """A checkpoint of transformers' own fused tensors (``mlp.experts.gate_up_proj`` [E, 2I, H],
     ``down_proj`` [E, H, I], router ``mlp.gate.weight``, as its state dict holds them) gives the
