@@ -16,13 +16,14 @@ transformers-bf16's 0.123 / 0.116 / 0.095 / 0.033; mean |ours - hf bf16| 0.029 /
 tokens. A bf16 path with a real bug (a wrong rotary, a missing norm, a mis-cast cache) lands far
 outside these bounds. The same test runs on CUDA where there is one.
 
-The mixture-of-experts models (tests/hf_reference.py MOE_ARCHS; AMD EPYC with AVX512-BF16,
-oneDNN-packed experts; mixtral / qwen2_moe / qwen3_moe): mean |ours - fp32| 0.373 / 0.113 / 0.067
-against transformers-bf16's 0.353 / 0.111 / 0.062; mean |ours - hf bf16| 0.092 / 0.029 / 0.038;
-identical greedy tokens 81% / 66% / 77%. bf16 rounding moves them more than the dense models: where
-a token's router scores two experts nearly alike, rounding can swap which one it uses, which
-changes that token's output by far more than rounding alone. So for them the bound on
-|ours - hf bf16| grows with transformers' own bf16 error (0.1 + 0.2 x |hf bf16 - fp32|).
+The mixture-of-experts models (tests/hf_reference.py MOE_ARCHS; AMD EPYC with AVX512-BF16;
+experts on F.linear, and the same figures with oneDNN-packed ones; mixtral / qwen2_moe /
+qwen3_moe): mean |ours - fp32| 0.373 / 0.113 / 0.067 against transformers-bf16's 0.353 / 0.111 /
+0.062; mean |ours - hf bf16| 0.092 / 0.029 / 0.038; identical greedy tokens 81% / 66% / 77%.
+bf16 rounding moves them more than the dense models: where a token's router scores two experts
+nearly alike, rounding can swap which one it uses, which changes that token's output by far more
+than rounding alone. So for them the bound on |ours - hf bf16| grows with transformers' own bf16
+error (0.1 + 0.2 x |hf bf16 - fp32|).
 """
 
 from __future__ import annotations
