@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ def _weight_files(root: Path) -> dict[str, Path]:
     return files
 
 
-def _weight_plan(cfg: ModelConfig, has: Any) -> WeightPlan:
+def _weight_plan(cfg: ModelConfig, has: Callable[[str], bool]) -> WeightPlan:
     """The architecture's weight plan (:mod:`batchgen.model.registry`); ``has(name)``: whether
     the checkpoint holds that HF tensor."""
     return architecture(cfg.architecture).weights(cfg, has)

@@ -35,6 +35,8 @@ from torch import Tensor, nn
 from batchgen.model.layers.activation import SiluMul, silu_mul
 from batchgen.model.layers.backend import LayerBackend
 from batchgen.model.layers.linear import OneDnnLinear, PackedLinear, pack_linear
+from batchgen.model.onednn_linear import OneDnn
+from batchgen.model.packed_linear import Mkl
 
 __all__ = ["FusedExperts", "experts_reference", "route", "sort_by_expert"]
 
@@ -113,7 +115,7 @@ class FusedExperts(nn.Module):
         self.packed: list[tuple[PackedLinear | OneDnnLinear, PackedLinear | OneDnnLinear]] | None
         self.packed = None
 
-    def pack(self, gemm: object) -> int:
+    def pack(self, gemm: Mkl | OneDnn) -> int:
         """Pack each expert's weights for ``gemm`` (MKL, or oneDNN, which the model does not
         use for experts), dropping the stacked parameters; returns how many layers were
         packed."""
@@ -121,8 +123,8 @@ class FusedExperts(nn.Module):
         for e in range(self.num_experts):
             packed.append(
                 (
-                    pack_linear(self.gate_up_proj[e], None, gemm),  # type: ignore[arg-type]
-                    pack_linear(self.down_proj[e], None, gemm),  # type: ignore[arg-type]
+                    pack_linear(self.gate_up_proj[e], None, gemm),  # [2I, H]
+                    pack_linear(self.down_proj[e], None, gemm),  # [H, I]
                 )
             )
         self.packed = packed
