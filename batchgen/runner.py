@@ -22,9 +22,10 @@ from batchgen.executors import Executor
 from batchgen.fingerprint import describe_fingerprint_mismatch, fingerprint
 from batchgen.job import Job
 from batchgen.layout import BATCH_OUTPUT_NAME
-from batchgen.model.config import is_gguf, read_model_info
+from batchgen.model.config import is_gguf
 from batchgen.model.hub import resolve_model
 from batchgen.model.loader import check_model, describe_gguf, load_tokenizer, model_identity
+from batchgen.model.registry import read_model_info
 from batchgen.openai_batch import write_batch_output
 from batchgen.plan import (
     describe_engine,

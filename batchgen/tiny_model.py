@@ -1,7 +1,8 @@
 """Tiny random models, tokenizers and prompts for tests, demos and benchmarks (fully offline).
 
-``make_tiny_model`` writes a Hugging Face model folder: a random Llama / Mistral / Qwen2 / Qwen3
-made with transformers' own config and model classes (safetensors, sharded on request), and a
+``make_tiny_model`` writes a Hugging Face model folder: a random Llama / Mistral / Qwen2 / Qwen3,
+or mixture-of-experts Qwen3-MoE / Qwen2-MoE / Mixtral, made with transformers' own config and
+model classes (safetensors, sharded on request), and a
 byte-level BPE tokenizer trained on a synthetic corpus of pseudo-words, with BOS/EOS and a small
 chat template. Everything is deterministic given the seed.
 """
@@ -33,6 +34,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 # Special tokens take the first ids, in this order.

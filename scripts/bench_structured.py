@@ -105,7 +105,7 @@ def compile_times(model: Path) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from batchgen.engine.grammar import GrammarCompiler
-    from batchgen.model.config import read_model_info
+    from batchgen.model.registry import read_model_info
 
     info = read_model_info(model)
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -29,7 +29,7 @@ def tiny_model(tmp_path_factory):
     made: dict[tuple, object] = {}
 
     def make(arch: str = "llama", **kwargs):
-        key = (arch, tuple(sorted(kwargs.items())))
+        key = (arch, repr(sorted(kwargs.items())))  # values may be dicts (config_overrides)
         if key not in made:
             made[key] = make_tiny_model(tmp_path_factory.mktemp(f"model-{arch}"), arch, **kwargs)
         return made[key]

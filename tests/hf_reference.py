@@ -16,6 +16,42 @@ ARCHS: dict[str, dict] = {
     "qwen3": dict(num_heads=8, num_kv_heads=2, head_dim=16),
 }
 
+# Mixture-of-experts arch -> make_tiny_model kwargs (2 layers, hidden 64): Qwen3-MoE with 8
+# experts, top 2, renormalized, layer 1 dense (mlp_only_layers); Qwen2-MoE with 6 experts, top
+# 3, not renormalized, a shared expert, layer 0 dense (decoder_sparse_step 2); Mixtral with 4
+# experts, top 2, both layers sparse.
+MOE_ARCHS: dict[str, dict] = {
+    "qwen3_moe": dict(
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        config_overrides=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen2_moe": dict(
+        num_heads=4,
+        num_kv_heads=2,
+        config_overrides=dict(
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=2,
+        ),
+    ),
+    "mixtral": dict(
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        config_overrides=dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
+}
+
 
 def hf_model(model: str | Path, dtype: torch.dtype = torch.float32):
     """transformers' model of a model folder, or of a ``.gguf`` file (read by transformers' own

@@ -316,6 +316,9 @@ def _(tmp: Path, model: Path) -> tuple[Path, list[str], list[str]]:
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "MixtralForCausalLM",
     ]
     return with_job(tmp, m), [], needles
 

@@ -143,3 +143,46 @@ def test_workload_k_is_long_context(bench):
     # + BOS: 1,500-3,000 tokens
     assert all(1500 - 1 <= len(p.split()) <= 3000 - 1 for p in w.prompts)
     assert bench.MODEL_SPECS["long"]["max_position_embeddings"] >= 3000 + 128
+
+
+QWEN3_30B_A3B_LAYER = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "vocab_size": 151_936,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+}
+
+
+def test_matmul_params_of_a_moe_count_the_active_experts(bench):
+    cfg = QWEN3_30B_A3B_LAYER
+    attn = 2048 * 4096 * 2 + 2 * 2048 * 512  # q, o; k, v
+    active = 128 * 2048 + 8 * 3 * 2048 * 768  # router + the 8 experts a token uses
+    assert bench.matmul_params(cfg) == 4 * (attn + active) + 2048 * 151_936
+
+
+def test_moe_step_bytes_reads_the_experts_the_step_uses(bench):
+    cfg = QWEN3_30B_A3B_LAYER
+    expert = 3 * 2048 * 768
+    one = bench.moe_step_bytes(cfg, 1, 2)
+    every = bench.moe_step_bytes(cfg, 10_000, 2)
+    # one sequence: its 8 experts per layer; thousands: all 128
+    assert every - one == pytest.approx(2 * 4 * (128 - 8) * expert)
+    assert one < bench.moe_step_bytes(cfg, 16, 2) < every
+
+
+def test_workload_m_is_moe(bench):
+    class OneTokenPerWord:
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[0] for _ in texts]}
+
+    w = bench.make_workload(OneTokenPerWord(), "M", scale=1.0)
+    assert (w.n, w.max_tokens, w.rows, w.model) == (2, 64, 64, "moe")
+    assert all(100 - 1 <= len(p.split()) <= 300 - 1 for p in w.prompts)
+    spec = bench.MODEL_SPECS["moe"]
+    assert spec["arch"] == "qwen3_moe" and spec["config_overrides"]["num_experts"] == 128

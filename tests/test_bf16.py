@@ -15,6 +15,15 @@ transformers-bf16's 0.123 / 0.116 / 0.095 / 0.033; mean |ours - hf bf16| 0.029 /
 0.025; identical greedy tokens 80% / 79% / 87% / 86%, median first divergence at the last of 16
 tokens. A bf16 path with a real bug (a wrong rotary, a missing norm, a mis-cast cache) lands far
 outside these bounds. The same test runs on CUDA where there is one.
+
+The mixture-of-experts models (tests/hf_reference.py MOE_ARCHS; AMD EPYC with AVX512-BF16;
+experts on F.linear, and the same figures with oneDNN-packed ones; mixtral / qwen2_moe /
+qwen3_moe): mean |ours - fp32| 0.373 / 0.113 / 0.067 against transformers-bf16's 0.353 / 0.111 /
+0.062; mean |ours - hf bf16| 0.092 / 0.029 / 0.038; identical greedy tokens 81% / 66% / 77%.
+bf16 rounding moves them more than the dense models: where a token's router scores two experts
+nearly alike, rounding can swap which one it uses, which changes that token's output by far more
+than rounding alone. So for them the bound on |ours - hf bf16| grows with transformers' own bf16
+error (0.1 + 0.2 x |hf bf16 - fp32|).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import pytest
 import torch
 
 from batchgen.tiny_model import make_prompts
-from tests.hf_reference import ARCHS
+from tests.hf_reference import ARCHS, MOE_ARCHS
 from tests.jobkit import run_job, write_job
 from tests.optional import require
 
@@ -43,13 +52,13 @@ def teacher_forced_logprobs(hf, ids: list[int], out: list[int]) -> list[float]:
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "cuda"]
 )
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", sorted(ARCHS) + sorted(MOE_ARCHS))
 def test_bf16_job_tracks_transformers(arch, device, tiny_model, tmp_path) -> None:
     if device == "cuda":
         require("cuda")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = tiny_model(arch, **ARCHS[arch])
+    model = tiny_model(arch, **(ARCHS | MOE_ARCHS)[arch])
     tok = AutoTokenizer.from_pretrained(model)
     prompts = make_prompts(16, seed=0, min_words=3, max_words=30)  # any seed must pass
     sampling = {"temperature": 0, "max_tokens": MAX_NEW, "ignore_eos": True, "logprobs": True}
@@ -103,6 +112,7 @@ def test_bf16_job_tracks_transformers(arch, device, tiny_model, tmp_path) -> Non
     # It really ran in bf16 (the report aside): float32 would be ~1e-6 from transformers' fp32.
     assert mean(ours_vs_fp32) >= 0.25 * mean(hf16_vs_fp32)
     assert mean(ours_vs_fp32) <= 1.5 * mean(hf16_vs_fp32) + 0.02
-    assert mean(ours_vs_hf16) <= 0.1
+    router_flips = 0.2 * mean(hf16_vs_fp32) if arch in MOE_ARCHS else 0.0
+    assert mean(ours_vs_hf16) <= 0.1 + router_flips
     assert same >= 0.6 * MAX_NEW * len(rows)
     assert statistics.median(firsts) >= MAX_NEW / 2

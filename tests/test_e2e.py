@@ -132,7 +132,7 @@ def test_forks_compute_the_prompt_once(tiny_model, tmp_path, monkeypatch, prefix
     lengths from the tokenizer. Without prefix caching the forks still share the prompt."""
     from transformers import AutoTokenizer
 
-    from batchgen.model.llama import LlamaForCausalLM
+    from batchgen.model.families.llama import LlamaForCausalLM
 
     MAX_NEW = 10  # noqa: N806
     model = tiny_model("llama", **ARCHS["llama"])

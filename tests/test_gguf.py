@@ -122,8 +122,8 @@ def test_greedy_matches_transformers_on_the_same_file(arch, gguf_model, tmp_path
 
 
 def test_chat_template_and_eos_come_from_the_metadata(gguf_model, tmp_path):
-    from batchgen.model.config import read_model_info
     from batchgen.model.loader import load_tokenizer
+    from batchgen.model.registry import read_model_info
     from batchgen.tiny_model import CHAT_TEMPLATE, EOS_ID
 
     _, path = gguf_model("llama")

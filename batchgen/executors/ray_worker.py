@@ -14,9 +14,9 @@ import ray
 
 from batchgen.executors.local import RowGenerator
 from batchgen.job import Job
-from batchgen.model.config import read_model_info
 from batchgen.model.hub import localize
 from batchgen.model.loader import load_tokenizer
+from batchgen.model.registry import read_model_info
 from batchgen.plan import resolve_placement
 from batchgen.prompts import EncodedRow
 from batchgen.schema import RowGroup

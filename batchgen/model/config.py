@@ -1,6 +1,9 @@
-"""A model's configuration: ``config.json`` parsed and checked into ``ModelConfig`` (what the
-modules are built from) and ``ModelInfo`` (what the rest of batchgen needs to know: shapes, length,
-EOS ids). Cheap: reads config.json and generation_config.json only, never weights.
+"""A model's configuration: the dataclasses ``ModelConfig`` (what the modules are built from),
+``MoeConfig`` (the experts of a mixture-of-experts model) and ``ModelInfo`` (what the rest of
+batchgen needs to know: shapes, length, EOS ids), and the checks every architecture shares
+(:func:`parse_base`: sizes, heads, RoPE, length). Which architectures exist, and what each adds
+to the base (biases, q/k norms, experts), is :mod:`batchgen.model.registry`'s table; reading a
+model folder's config goes through it (:func:`batchgen.model.registry.read_model_config`).
 
 Every problem is a ``ModelError`` whose message is one line naming the problem and the path.
 """
@@ -18,32 +21,18 @@ import torch
 from batchgen.errors import ModelError
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_ROPE_TYPES",
     "ModelConfig",
     "ModelInfo",
+    "MoeConfig",
     "RopeConfig",
+    "architecture_name",
     "is_gguf",
     "model_info",
-    "parse_config",
-    "read_model_config",
-    "read_model_info",
+    "parse_base",
+    "qwen_sliding_window",
+    "raw_config",
 ]
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-
-# Defaults of the HF config classes for keys a config.json may leave out.
-_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {"max_position_embeddings": 2048},
-    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
-    "Qwen3ForCausalLM": {"max_position_embeddings": 32768},
-}
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -72,6 +61,27 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The experts of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, Mixtral).
+
+    Each sparse layer's MLP is a router (``[hidden] -> [num_experts]`` logits, softmax in fp32),
+    the ``top_k`` experts of highest probability (ties to the lowest expert id), their weights
+    (the probabilities, divided by their sum when ``renormalize``) and the weighted sum of those
+    experts' SwiGLU MLPs of width ``intermediate_size``; plus, with
+    ``shared_expert_intermediate_size``, a shared SwiGLU MLP every token goes through, scaled by
+    ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE). Layers not in ``sparse_layers`` have a dense
+    MLP of ``ModelConfig.intermediate_size``.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[int, ...]  # ascending layer indices
+    shared_expert_intermediate_size: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything needed to build the modules (parsed from config.json)."""
 
@@ -91,6 +101,7 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     rope: RopeConfig
+    moe: MoeConfig | None = None  # None: a dense model
 
 
 @dataclass(frozen=True)
@@ -164,7 +175,7 @@ def _eos_ids(value: Any) -> list[int]:
     return []
 
 
-def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int) -> RopeConfig:
+def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: float) -> RopeConfig:
     """RoPE settings from transformers-5 ``rope_parameters`` or legacy ``rope_theta``/``rope_scaling``."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
@@ -184,7 +195,7 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int) -> RopeConfig:
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ModelError(f"unsupported partial_rotary_factor {partial} in {path}")
-    theta = params.get("rope_theta", raw.get("rope_theta")) or 10000.0
+    theta = params.get("rope_theta", raw.get("rope_theta")) or default_theta
     # the pre-training length that llama3/yarn scale from (HF's default: max_position_embeddings)
     original = (
         raw.get("original_max_position_embeddings")
@@ -224,59 +235,71 @@ def _opt_floats(value: Any) -> tuple[float, ...] | None:
     return None if value is None else tuple(float(v) for v in value)
 
 
-def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
-    """The attention window of the model, if any layer uses one (else None)."""
-    if arch == "MistralForCausalLM":
-        return raw.get("sliding_window", _ARCH_DEFAULTS[arch]["sliding_window"])
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        window = raw.get("sliding_window")
-        layer_types = raw.get("layer_types") or []
-        uses = bool(raw.get("use_sliding_window")) or "sliding_attention" in layer_types
-        return window if uses and window else None
-    return None
+def qwen_sliding_window(raw: dict[str, Any]) -> int | None:
+    """The attention window of a Qwen-style config (``use_sliding_window`` or any
+    ``sliding_attention`` layer type, with ``sliding_window``), else None."""
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types") or []
+    uses = bool(raw.get("use_sliding_window")) or "sliding_attention" in layer_types
+    return window if uses and window else None
 
 
-def read_model_config(model_dir: str | Path) -> tuple[ModelConfig, tuple[int, ...]]:
-    """Parse and check ``config.json`` (plus ``generation_config.json`` for EOS ids); for a
-    ``.gguf`` file, the same from its metadata (:mod:`batchgen.model.gguf`)."""
+def raw_config(model_dir: str | Path) -> tuple[dict[str, Any], tuple[int, ...], Path]:
+    """A model's config.json object (for a ``.gguf`` file: the same built from its metadata,
+    :mod:`batchgen.model.gguf`), its EOS ids (config.json's plus generation_config.json's) and
+    the path to name in messages."""
     root = model_path(model_dir)
     if is_gguf(root):
         from batchgen.model.gguf import GgufModel
 
         raw, eos = GgufModel.open(root).config_dict()
-        return parse_config(raw, root), eos
+        return raw, eos, root
     path = root / "config.json"
     raw = read_json(path, "config.json")
-    eos = _eos_ids(raw.get("eos_token_id"))
+    eos_list = _eos_ids(raw.get("eos_token_id"))
     gen_path = root / "generation_config.json"
     if gen_path.is_file():
-        eos += _eos_ids(read_json(gen_path, "generation_config.json").get("eos_token_id"))
-    return parse_config(raw, path), tuple(dict.fromkeys(eos))
+        eos_list += _eos_ids(read_json(gen_path, "generation_config.json").get("eos_token_id"))
+    return raw, tuple(dict.fromkeys(eos_list)), path
 
 
-def parse_config(raw: dict[str, Any], path: Path) -> ModelConfig:
-    """Check a config.json object (``path`` names where it came from, for messages)."""
+def architecture_name(raw: dict[str, Any], path: Path) -> str:
+    """config.json's ``architectures[0]``; ModelError when it names none."""
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise ModelError(f"config.json {path} names no architecture ('architectures' is missing)")
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(
-            f"unsupported architecture {arch} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    defaults = _ARCH_DEFAULTS[arch]
+    return archs[0]
 
-    def req_int(key: str) -> int:
-        value = raw.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ModelError(f"invalid config.json {path}: {key!r} must be a positive integer")
-        return value
 
-    hidden = req_int("hidden_size")
-    num_heads = req_int("num_attention_heads")
-    num_layers = req_int("num_hidden_layers")
-    vocab = req_int("vocab_size")
-    intermediate = req_int("intermediate_size")
+def req_int(raw: dict[str, Any], key: str, path: Path) -> int:
+    """``raw[key]`` as a positive integer; ModelError naming the key otherwise."""
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelError(f"invalid config.json {path}: {key!r} must be a positive integer")
+    return value
+
+
+def parse_base(
+    raw: dict[str, Any],
+    path: Path,
+    *,
+    max_position_embeddings: int,
+    window: int | None,
+    rope_theta: float = 10000.0,
+    rms_norm_eps: float = 1e-6,
+) -> ModelConfig:
+    """The checks and fields every architecture shares, from a config.json object: sizes,
+    heads, head_dim, activation (silu), length, RoPE. ``max_position_embeddings``,
+    ``rope_theta`` and ``rms_norm_eps`` are the architecture's defaults for configs that leave them out; ``window``
+    is the attention window the architecture reads from the config (None: no window). Biases,
+    q/k norms and experts are off: the architecture's parser turns them on
+    (``dataclasses.replace``)."""
+    arch = architecture_name(raw, path)
+    hidden = req_int(raw, "hidden_size", path)
+    num_heads = req_int(raw, "num_attention_heads", path)
+    num_layers = req_int(raw, "num_hidden_layers", path)
+    vocab = req_int(raw, "vocab_size", path)
+    intermediate = req_int(raw, "intermediate_size", path)
     num_kv_heads = raw.get("num_key_value_heads") or num_heads
     head_dim = raw.get("head_dim") or hidden // num_heads
     if not isinstance(num_kv_heads, int) or num_heads % num_kv_heads != 0:
@@ -291,23 +314,15 @@ def parse_config(raw: dict[str, Any], path: Path) -> ModelConfig:
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelError(f"unsupported hidden_act {act!r} in {path}; supported: silu")
-    max_pos = raw.get("max_position_embeddings") or defaults["max_position_embeddings"]
+    max_pos = raw.get("max_position_embeddings") or max_position_embeddings
     if not isinstance(max_pos, int) or max_pos <= 0:
         raise ModelError(
             f"invalid config.json {path}: max_position_embeddings must be a positive integer"
         )
     # Sliding-window attention is not implemented: the usable length is capped at the window,
     # where windowed and full causal attention are identical.
-    window = _sliding_window(raw, arch)
     max_model_len = min(max_pos, window) if isinstance(window, int) and window > 0 else max_pos
-    rope = _parse_rope(raw, path, max_pos)
-
-    # biases: Qwen2 always has them on q/k/v (never on o); Llama's attention_bias covers
-    # q/k/v/o and Qwen3's too; Mistral has none; only Llama has mlp_bias
-    attention_bias = bool(raw.get("attention_bias", False)) and arch != "MistralForCausalLM"
-    qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
-    o_bias = attention_bias and arch != "Qwen2ForCausalLM"
-    mlp_bias = bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM"
+    rope = _parse_rope(raw, path, max_pos, rope_theta)
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -317,13 +332,13 @@ def parse_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", rms_norm_eps)),
         max_model_len=max_model_len,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
         rope=rope,
     )
 
@@ -341,9 +356,3 @@ def model_info(cfg: ModelConfig, eos: tuple[int, ...]) -> ModelInfo:
         max_model_len=cfg.max_model_len,
         eos_token_ids=eos,
     )
-
-
-def read_model_info(model_dir: str | Path) -> ModelInfo:
-    """``ModelInfo`` from config.json (and generation_config.json); reads no weights."""
-    cfg, eos = read_model_config(model_dir)
-    return model_info(cfg, eos)

@@ -4,7 +4,7 @@ tokenizer, the chat template and the weights, most of them quantized.
 Read with the ``gguf`` package (llama.cpp's own reader). What this module maps:
 
 - metadata ``{arch}.*`` -> a config.json object (:meth:`GgufModel.config_dict`), checked by
-  :func:`batchgen.model.config.parse_config` like any config.json;
+  :func:`batchgen.model.registry.parse_config` like any config.json;
 - llama.cpp tensor names (``blk.N.attn_q.weight``) <-> Hugging Face names
   (``model.layers.N.self_attn.q_proj.weight``), so the loader's weight plan serves both formats;
 - weights: dequantized to float32 one tensor at a time (the ``gguf`` package's numpy

@@ -13,12 +13,15 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from batchgen.errors import ModelError
+from batchgen.model.architecture import WeightPlan
 from batchgen.model.attention import AttentionBackend
 from batchgen.model.config import (
     ModelConfig,
@@ -28,10 +31,9 @@ from batchgen.model.config import (
     model_path,
     one_line,
     read_json,
-    read_model_config,
 )
 from batchgen.model.layers.backend import LayerBackend
-from batchgen.model.llama import LlamaForCausalLM
+from batchgen.model.registry import architecture, read_model_config
 
 __all__ = [
     "check_model",
@@ -91,87 +93,29 @@ def _weight_files(root: Path) -> dict[str, Path]:
     return files
 
 
-def _weight_plan(cfg: ModelConfig) -> dict[str, list[str]]:
-    """Our parameter name -> the HF tensors that make it (concatenated along dim 0)."""
-    plan: dict[str, list[str]] = {
-        "embed_tokens.weight": ["model.embed_tokens.weight"],
-        "norm.weight": ["model.norm.weight"],
-    }
-    if not cfg.tie_word_embeddings:
-        plan["lm_head.weight"] = ["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        attn = hf + "self_attn."
-        plan[ours + "input_layernorm.weight"] = [hf + "input_layernorm.weight"]
-        plan[ours + "post_attention_layernorm.weight"] = [hf + "post_attention_layernorm.weight"]
-        plan[ours + "self_attn.qkv_proj.weight"] = [attn + f"{p}_proj.weight" for p in "qkv"]
-        plan[ours + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
-        if cfg.qkv_bias:
-            plan[ours + "self_attn.qkv_proj.bias"] = [attn + f"{p}_proj.bias" for p in "qkv"]
-        if cfg.o_bias:
-            plan[ours + "self_attn.o_proj.bias"] = [attn + "o_proj.bias"]
-        if cfg.qk_norm:
-            plan[ours + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
-            plan[ours + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
-        mlp = hf + "mlp."
-        plan[ours + "mlp.gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
-        plan[ours + "mlp.down_proj.weight"] = [mlp + "down_proj.weight"]
-        if cfg.mlp_bias:
-            plan[ours + "mlp.gate_up_proj.bias"] = [mlp + "gate_proj.bias", mlp + "up_proj.bias"]
-            plan[ours + "mlp.down_proj.bias"] = [mlp + "down_proj.bias"]
-    return plan
+def _weight_plan(cfg: ModelConfig, has: Callable[[str], bool]) -> WeightPlan:
+    """The architecture's weight plan (:mod:`batchgen.model.registry`); ``has(name)``: whether
+    the checkpoint holds that HF tensor."""
+    return architecture(cfg.architecture).weights(cfg, has)
 
 
-def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape config.json implies for each HF tensor of the plan (by HF name)."""
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (cfg.vocab_size, h),
-    }
-    for i in range(cfg.num_layers):
-        layer = f"model.layers.{i}."
-        attn, mlp = layer + "self_attn.", layer + "mlp."
-        shapes |= {
-            layer + "input_layernorm.weight": (h,),
-            layer + "post_attention_layernorm.weight": (h,),
-            attn + "q_proj.weight": (q, h),
-            attn + "k_proj.weight": (kv, h),
-            attn + "v_proj.weight": (kv, h),
-            attn + "o_proj.weight": (h, q),
-            attn + "q_proj.bias": (q,),
-            attn + "k_proj.bias": (kv,),
-            attn + "v_proj.bias": (kv,),
-            attn + "o_proj.bias": (h,),
-            attn + "q_norm.weight": (d,),
-            attn + "k_norm.weight": (d,),
-            mlp + "gate_proj.weight": (inter, h),
-            mlp + "up_proj.weight": (inter, h),
-            mlp + "down_proj.weight": (h, inter),
-            mlp + "gate_proj.bias": (inter,),
-            mlp + "up_proj.bias": (inter,),
-            mlp + "down_proj.bias": (h,),
-        }
-    return shapes
-
-
-def _check_weights(root: Path, cfg: ModelConfig) -> dict[str, Path]:
-    """Map each HF tensor the model needs to its file, after checking from the safetensors
-    headers alone (no tensor is read) that every file is complete and readable, and that every
-    needed tensor is there with the shape config.json implies. Raises ModelError."""
+def _check_weights(root: Path, cfg: ModelConfig) -> tuple[WeightPlan, dict[str, Path]]:
+    """The weight plan, and each HF tensor the model needs mapped to its file, after checking
+    from the safetensors headers alone (no tensor is read) that every file is complete and
+    readable, and that every needed tensor is there with the shape config.json implies. Raises
+    ModelError."""
     from safetensors import safe_open
 
     files = _weight_files(root)
-    needed = sorted({hf for names in _weight_plan(cfg).values() for hf in names})
+    plan = _weight_plan(cfg, files.__contains__)
+    needed = plan.needed()
     for hf in needed:
         if hf not in files:
             raise ModelError(f"tensor {hf} missing from the weights in {root}")
     by_file: dict[Path, list[str]] = {}
     for hf in needed:
         by_file.setdefault(files[hf], []).append(hf)
-    expected = _hf_shapes(cfg)
+    expected = plan.shapes
     for file, names in sorted(by_file.items()):
         if not os.access(file, os.R_OK):
             raise ModelError(f"cannot read weight file {file}: permission denied")
@@ -191,7 +135,7 @@ def _check_weights(root: Path, cfg: ModelConfig) -> dict[str, Path]:
                     f"weight shape mismatch in {root}: {hf} is {shapes[hf]} in {file.name}; "
                     f"config.json implies {expected[hf]}"
                 )
-    return files
+    return plan, files
 
 
 _LINKABLE_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja")
@@ -231,7 +175,7 @@ def load_model(
     dtype: torch.dtype,
     attention: AttentionBackend[Any],
     native: bool = True,
-) -> tuple[LlamaForCausalLM, ModelInfo]:
+) -> tuple[nn.Module, ModelInfo]:
     """Build the model on ``device`` in ``dtype`` with the checkpoint's weights (eval mode).
 
     Each layer's implementation is chosen here, once (:class:`LayerBackend`): the C kernels and
@@ -240,27 +184,32 @@ def load_model(
     """
     root = model_path(model_dir)
     cfg, eos = read_model_config(root)
-    plan = _weight_plan(cfg)
+    if is_gguf(root):
+        plan, gguf = _check_gguf_weights(root, cfg, eos)
+    else:
+        plan, files = _check_weights(root, cfg)
 
     # Modules are built on the meta device (no memory, no random init); real tensors are
     # assigned below. The RoPE tables are built on the CPU explicitly and moved afterwards.
     layers = LayerBackend.select(device, dtype, native)  # outside the meta device: it may compile
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, attention, layers)
+        model = architecture(cfg.architecture).model(cfg, attention, layers)
     expected = {name: p.shape for name, p in model.named_parameters()}
-    assert set(expected) == set(plan), sorted(set(expected) ^ set(plan))
+    assert set(expected) == set(plan.sources), sorted(set(expected) ^ set(plan.sources))
 
-    needed = {hf for names in plan.values() for hf in names}
+    needed = plan.needed()
     if is_gguf(root):
-        gguf = _check_gguf_weights(root, cfg, eos)
-        loaded = {hf: gguf.load(hf, dtype, device) for hf in sorted(needed)}
+        loaded = {hf: gguf.load(hf, dtype, device) for hf in needed}
     else:
-        loaded = _load_safetensors(root, cfg, needed, device, dtype)
+        loaded = _load_safetensors(files, needed, device, dtype)
 
     state: dict[str, torch.Tensor] = {}
-    for ours, hf_names in plan.items():
+    for ours, hf_names in plan.sources.items():
         parts = [loaded.pop(hf) for hf in hf_names]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if tensor.shape != expected[ours] and tensor.numel() == expected[ours].numel():
+            # stacked experts: [E * rows, cols] concatenated -> [E, rows, cols]
+            tensor = tensor.view(expected[ours])
         if tensor.shape != expected[ours]:
             shapes = ", ".join(
                 f"{hf} {tuple(p.shape)}" for hf, p in zip(hf_names, parts, strict=True)
@@ -270,6 +219,7 @@ def load_model(
             )
         state[ours] = tensor
     model.load_state_dict(state, strict=True, assign=True)
+    state.clear()  # the model holds the weights now: packing can free each one it replaces
     model.rotary.to(device)
     model.eval().requires_grad_(False)
     model.pack_weights()
@@ -277,12 +227,12 @@ def load_model(
 
 
 def _load_safetensors(
-    root: Path, cfg: ModelConfig, needed: set[str], device: torch.device, dtype: torch.dtype
+    files: dict[str, Path], needed: list[str], device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """The HF tensors ``needed`` from a folder's safetensors files, cast to ``dtype``."""
+    """The HF tensors ``needed`` from the safetensors files that hold them (``files``, checked
+    by :func:`_check_weights`), cast to ``dtype``."""
     from safetensors import safe_open
 
-    files = _check_weights(root, cfg)
     by_file: dict[Path, list[str]] = {}
     for hf in needed:
         by_file.setdefault(files[hf], []).append(hf)
@@ -299,14 +249,25 @@ def _load_safetensors(
     return loaded
 
 
-def _check_gguf_weights(root: Path, cfg: ModelConfig, eos: tuple[int, ...]) -> Any:
-    """The opened GGUF file, after checking that every tensor the model needs is there with the
-    shape its metadata implies (from the tensor index alone) and that it names an EOS token."""
+def _check_gguf_weights(
+    root: Path, cfg: ModelConfig, eos: tuple[int, ...]
+) -> tuple[WeightPlan, Any]:
+    """The weight plan and the opened GGUF file, after checking that every tensor the model
+    needs is there with the shape its metadata implies (from the tensor index alone) and that it
+    names an EOS token."""
     from batchgen.model.gguf import GgufModel, gguf_name
 
     gguf = GgufModel.open(root)
-    expected = _hf_shapes(cfg)
-    for hf in sorted({hf for names in _weight_plan(cfg).values() for hf in names}):
+
+    def has(hf: str) -> bool:
+        try:
+            return gguf.shape(hf) is not None
+        except KeyError:  # a name llama.cpp's format has no mapping for
+            return False
+
+    plan = _weight_plan(cfg, has)
+    expected = plan.shapes
+    for hf in plan.needed():
         shape = gguf.shape(hf)
         if shape is None:
             raise ModelError(f"tensor {gguf_name(hf)} missing from GGUF file {root}")
@@ -317,7 +278,7 @@ def _check_gguf_weights(root: Path, cfg: ModelConfig, eos: tuple[int, ...]) -> A
             )
     if not eos:
         raise ModelError(f"GGUF file {root} names no EOS token (tokenizer.ggml.eos_token_id)")
-    return gguf
+    return plan, gguf
 
 
 def describe_gguf(path: str | Path, dtype: torch.dtype | None) -> str:

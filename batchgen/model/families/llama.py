@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache: the model math.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache: the model math, the
+four architectures' config parsers and their Hugging Face weight names.
 
 The differences between the four architectures are flags of ``ModelConfig``:
 
@@ -17,13 +18,17 @@ PyTorch ops) is decided once when the model is built, by the ``LayerBackend`` it
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from batchgen.model.architecture import Architecture, WeightPlan
 from batchgen.model.attention import AttentionBackend, AttentionMetadata
-from batchgen.model.config import ModelConfig
+from batchgen.model.config import ModelConfig, parse_base, qwen_sliding_window
 from batchgen.model.layers.activation import silu_mul
 from batchgen.model.layers.backend import LayerBackend
 from batchgen.model.layers.linear import (
@@ -36,7 +41,16 @@ from batchgen.model.layers.linear import (
 from batchgen.model.layers.norm import rms_norm
 from batchgen.model.layers.rotary import Rotary, rotation
 
-__all__ = ["LlamaForCausalLM"]
+__all__ = [
+    "ARCHITECTURES",
+    "LlamaAttention",
+    "LlamaDecoderLayer",
+    "LlamaForCausalLM",
+    "LlamaMLP",
+    "attention_weights",
+    "dense_mlp_weights",
+    "model_weights",
+]
 
 
 class LlamaAttention(nn.Module):
@@ -98,12 +112,16 @@ _MLP_ROWS = 1024
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused; ``intermediate`` overrides the
+    config's width (a MoE model's shared expert)."""
 
-    def __init__(self, cfg: ModelConfig, layers: LayerBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layers: LayerBackend, intermediate: int | None = None
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = cfg.intermediate_size if intermediate is None else intermediate
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.silu_mul_ = silu_mul(layers)
         # On the CPU, long steps (prefill chunks) go through in slices of this many rows: the
         # [rows, 2I] intermediate then stays in cache between the two GEMMs and SwiGLU (on the
@@ -126,16 +144,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). ``mlp`` is any module with
+    ``forward(x, residual) -> residual += f(x)`` (a dense SwiGLU, or a MoE model's experts)."""
 
     def __init__(
-        self, cfg: ModelConfig, attention: AttentionBackend[Any][Any], layers: LayerBackend
+        self,
+        cfg: ModelConfig,
+        attention: AttentionBackend[Any][Any],
+        layers: LayerBackend,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.input_layernorm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, layers)
         self.self_attn = LlamaAttention(cfg, attention, layers)
         self.post_attention_layernorm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, layers)
-        self.mlp = LlamaMLP(cfg, layers)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -174,12 +197,18 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_model_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, attention, layers) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, attention, layers, self.make_mlp(cfg, i, layers))
+            for i in range(cfg.num_layers)
         )
         self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, layers)
         self.lm_head: Linear | PackedLinear | OneDnnLinear | None = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+
+    @staticmethod
+    def make_mlp(cfg: ModelConfig, index: int, layers: LayerBackend) -> nn.Module:
+        """The MLP of layer ``index``: a dense SwiGLU (a MoE model overrides this)."""
+        return LlamaMLP(cfg, layers)
 
     def forward(
         self,
@@ -220,3 +249,135 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face weight names (config.json's tensor names -> our parameters)
+# --------------------------------------------------------------------------------------------
+
+
+def attention_weights(cfg: ModelConfig, i: int, plan: WeightPlan) -> None:
+    """Add layer ``i``'s norms and attention (q/k/v fused; biases and q/k norms as the config
+    says) to ``plan``."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    hf, ours = f"model.layers.{i}.", f"layers.{i}."
+    attn = hf + "self_attn."
+    src, shapes = plan.sources, plan.shapes
+    src[ours + "input_layernorm.weight"] = [hf + "input_layernorm.weight"]
+    src[ours + "post_attention_layernorm.weight"] = [hf + "post_attention_layernorm.weight"]
+    src[ours + "self_attn.qkv_proj.weight"] = [attn + f"{p}_proj.weight" for p in "qkv"]
+    src[ours + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
+    shapes |= {
+        hf + "input_layernorm.weight": (h,),
+        hf + "post_attention_layernorm.weight": (h,),
+        attn + "q_proj.weight": (q, h),
+        attn + "k_proj.weight": (kv, h),
+        attn + "v_proj.weight": (kv, h),
+        attn + "o_proj.weight": (h, q),
+    }
+    if cfg.qkv_bias:
+        src[ours + "self_attn.qkv_proj.bias"] = [attn + f"{p}_proj.bias" for p in "qkv"]
+        shapes |= {attn + "q_proj.bias": (q,), attn + "k_proj.bias": (kv,)}
+        shapes |= {attn + "v_proj.bias": (kv,)}
+    if cfg.o_bias:
+        src[ours + "self_attn.o_proj.bias"] = [attn + "o_proj.bias"]
+        shapes[attn + "o_proj.bias"] = (h,)
+    if cfg.qk_norm:
+        src[ours + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
+        src[ours + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
+        shapes |= {attn + "q_norm.weight": (d,), attn + "k_norm.weight": (d,)}
+
+
+def dense_mlp_weights(
+    cfg: ModelConfig, hf: str, ours: str, plan: WeightPlan, intermediate: int | None = None
+) -> None:
+    """Add a SwiGLU MLP (HF ``{hf}gate_proj``/``up_proj``/``down_proj``, our ``{ours}gate_up_proj``
+    and ``down_proj``) of width ``intermediate`` (default: the config's) to ``plan``."""
+    h = cfg.hidden_size
+    inter = cfg.intermediate_size if intermediate is None else intermediate
+    src, shapes = plan.sources, plan.shapes
+    src[ours + "gate_up_proj.weight"] = [hf + "gate_proj.weight", hf + "up_proj.weight"]
+    src[ours + "down_proj.weight"] = [hf + "down_proj.weight"]
+    shapes |= {
+        hf + "gate_proj.weight": (inter, h),
+        hf + "up_proj.weight": (inter, h),
+        hf + "down_proj.weight": (h, inter),
+    }
+    if cfg.mlp_bias:
+        src[ours + "gate_up_proj.bias"] = [hf + "gate_proj.bias", hf + "up_proj.bias"]
+        src[ours + "down_proj.bias"] = [hf + "down_proj.bias"]
+        shapes |= {hf + "gate_proj.bias": (inter,), hf + "up_proj.bias": (inter,)}
+        shapes |= {hf + "down_proj.bias": (h,)}
+
+
+def model_weights(cfg: ModelConfig, layer: Callable[[int, WeightPlan], None]) -> WeightPlan:
+    """The embedding, final norm and LM head (unless tied), plus ``layer(i, plan)`` for every
+    layer."""
+    h = cfg.hidden_size
+    plan = WeightPlan(
+        sources={
+            "embed_tokens.weight": ["model.embed_tokens.weight"],
+            "norm.weight": ["model.norm.weight"],
+        },
+        shapes={
+            "model.embed_tokens.weight": (cfg.vocab_size, h),
+            "model.norm.weight": (h,),
+        },
+    )
+    if not cfg.tie_word_embeddings:
+        plan.sources["lm_head.weight"] = ["lm_head.weight"]
+        plan.shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        layer(i, plan)
+    return plan
+
+
+def _weights(cfg: ModelConfig, has: Callable[[str], bool]) -> WeightPlan:
+    """Every dense layer: attention and one SwiGLU MLP."""
+
+    def layer(i: int, plan: WeightPlan) -> None:
+        attention_weights(cfg, i, plan)
+        dense_mlp_weights(cfg, f"model.layers.{i}.mlp.", f"layers.{i}.mlp.", plan)
+
+    return model_weights(cfg, layer)
+
+
+# --------------------------------------------------------------------------------------------
+# config.json -> ModelConfig (defaults: those of the HF config classes)
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_llama(raw: dict[str, Any], path: Path) -> ModelConfig:
+    # attention_bias covers q/k/v/o; only Llama has mlp_bias
+    base = parse_base(raw, path, max_position_embeddings=2048, window=None)
+    bias = bool(raw.get("attention_bias", False))
+    mlp_bias = bool(raw.get("mlp_bias", False))
+    return dataclasses.replace(base, qkv_bias=bias, o_bias=bias, mlp_bias=mlp_bias)
+
+
+def _parse_mistral(raw: dict[str, Any], path: Path) -> ModelConfig:
+    # no biases; a sliding window of 4096 unless the config says otherwise
+    window = raw.get("sliding_window", 4096)
+    return parse_base(raw, path, max_position_embeddings=4096 * 32, window=window)
+
+
+def _parse_qwen2(raw: dict[str, Any], path: Path) -> ModelConfig:
+    # q/k/v always have a bias, o_proj never
+    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_sliding_window(raw))
+    return dataclasses.replace(base, qkv_bias=True)
+
+
+def _parse_qwen3(raw: dict[str, Any], path: Path) -> ModelConfig:
+    # per-head q/k RMSNorm; attention_bias covers q/k/v/o
+    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_sliding_window(raw))
+    bias = bool(raw.get("attention_bias", False))
+    return dataclasses.replace(base, qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+ARCHITECTURES = (
+    Architecture("LlamaForCausalLM", _parse_llama, LlamaForCausalLM, _weights),
+    Architecture("MistralForCausalLM", _parse_mistral, LlamaForCausalLM, _weights),
+    Architecture("Qwen2ForCausalLM", _parse_qwen2, LlamaForCausalLM, _weights),
+    Architecture("Qwen3ForCausalLM", _parse_qwen3, LlamaForCausalLM, _weights),
+)

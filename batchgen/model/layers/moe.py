@@ -1,0 +1,171 @@
+"""Mixture-of-experts compute: the router's top-k (:func:`route`) and the experts' SwiGLU MLPs
+over the tokens routed to them (:class:`FusedExperts`), its implementation chosen once at load.
+
+Routing. Probabilities are ``softmax(logits)`` in fp32 over all experts; a token goes to the
+``top_k`` experts of highest probability, **ties broken to the lowest expert id** (a stable
+descending sort: the rule holds on every device and path, which all route through this
+function), in descending order of probability; its weights are those probabilities, divided by
+their sum when ``renormalize`` (Qwen's ``norm_topk_prob``; always for Mixtral, where that equals a
+softmax over the selected experts' logits). Weights stay fp32.
+
+Expert compute (no loop over tokens, no compute for experts that got no token). A step's
+``P = T * top_k`` (token, slot) pairs are sorted by expert id (stably: within an expert, by
+token, then slot), so each expert's pairs are one contiguous slice; each expert with pairs runs
+its gate-up GEMM, SwiGLU and down GEMM over its slice only; then the pairs' outputs are put back
+in (token, slot) order and combined in one pass: ``out[t] = sum_j w[t, j] * y[t, j]`` in fp32,
+summed in slot order (so a token's result does not depend on which other tokens share the
+step, up to the GEMMs' rounding for other row counts).
+
+- CPU (and any device without Triton): PyTorch GEMMs, a Python loop over the experts that have
+  pairs (at most ``num_experts`` iterations per layer, whatever the token count); in fp32 with
+  MKL, each expert's two weights are packed once at load (:meth:`FusedExperts.pack`) like the
+  dense layers' (bf16 experts stay as they are: ``F.linear`` beat oneDNN-packed experts there,
+  see :meth:`batchgen.model.families.moe.MoeForCausalLM.pack_weights`).
+- CUDA: the grouped-GEMM Triton kernel ``batchgen.kernels.fused_moe`` (each expert's slice
+  padded to the kernel's row tile, every tile of every expert in one launch per GEMM; no host
+  sync), then the same combine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from batchgen.model.layers.activation import SiluMul, silu_mul
+from batchgen.model.layers.backend import LayerBackend
+from batchgen.model.layers.linear import OneDnnLinear, PackedLinear, pack_linear
+from batchgen.model.onednn_linear import OneDnn
+from batchgen.model.packed_linear import Mkl
+
+__all__ = ["FusedExperts", "experts_reference", "route", "sort_by_expert"]
+
+
+def route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """Router logits ``[T, E]`` (any float dtype) -> weights ``[T, top_k]`` fp32 and expert ids
+    ``[T, top_k]`` int64, in descending order of probability, ties to the lowest expert id."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    # stable: among equal probabilities the lower expert id comes first
+    top, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top, ids = top[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, ids
+
+
+def sort_by_expert(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """Expert ids ``[T, k]`` -> ``order [P]`` int64 (the (token, slot) pairs, flat index
+    ``t * k + j``, sorted by expert, stably) and ``counts [E]`` int64 (pairs per expert)."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
+
+
+def combine(pair_out: Tensor, weights: Tensor) -> Tensor:
+    """Pair outputs ``[T * k, H]`` in (token, slot) order and weights ``[T, k]`` fp32 ->
+    ``[T, H]`` fp32, each token's weighted outputs summed in slot order."""
+    t, k = weights.shape
+    y = pair_out.view(t, k, -1).float()
+    out = y[:, 0] * weights[:, :1]
+    for j in range(1, k):
+        out.addcmul_(y[:, j], weights[:, j : j + 1])
+    return out
+
+
+def experts_reference(
+    x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids: Tensor
+) -> Tensor:
+    """The definition, token by token and slot by slot (for tests; slow): x ``[T, H]``,
+    gate_up ``[E, 2I, H]``, down ``[E, H, I]``, weights ``[T, k]`` fp32, ids ``[T, k]`` ->
+    ``[T, H]`` fp32. Intermediate values are rounded to x's dtype where the fused paths round
+    them (after each GEMM and after SwiGLU)."""
+    t, k = ids.shape
+    inter = down.shape[2]
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    for i in range(t):
+        for j in range(k):
+            e = int(ids[i, j])
+            h = F.linear(x[i : i + 1], gate_up[e])  # [1, 2I]
+            act = F.silu(h[:, :inter]) * h[:, inter:]
+            y = F.linear(act, down[e])  # [1, H]
+            out[i] += weights[i, j] * y[0].float()
+    return out
+
+
+class FusedExperts(nn.Module):
+    """``num_experts`` SwiGLU MLPs of width ``intermediate``, stacked: ``gate_up_proj
+    [E, 2I, H]`` (each expert's gate rows, then its up rows) and ``down_proj [E, H, I]`` (the
+    layout of transformers' fused experts). ``forward(x, weights, ids)`` -> the weighted sum of
+    each token's experts, fp32 (see the module docstring)."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, intermediate: int, layers: LayerBackend
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden = hidden
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.silu_mul_: SiluMul = silu_mul(layers)
+        # CUDA: the Triton kernel (the parameters stay stacked; nothing is packed there)
+        self.use_triton = layers.device.type == "cuda"
+        # per expert, once packed (pack): the two GEMMs' packed layers; None: the parameters
+        self.packed: list[tuple[PackedLinear | OneDnnLinear, PackedLinear | OneDnnLinear]] | None
+        self.packed = None
+
+    def pack(self, gemm: Mkl | OneDnn) -> int:
+        """Pack each expert's weights for ``gemm`` (MKL, or oneDNN, which the model does not
+        use for experts), dropping the stacked parameters; returns how many layers were
+        packed."""
+        packed = []
+        for e in range(self.num_experts):
+            packed.append(
+                (
+                    pack_linear(self.gate_up_proj[e], None, gemm),  # [2I, H]
+                    pack_linear(self.down_proj[e], None, gemm),  # [H, I]
+                )
+            )
+        self.packed = packed
+        del self.gate_up_proj, self.down_proj
+        return 2 * len(packed)
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """x ``[T, H]``, weights ``[T, k]`` fp32, ids ``[T, k]`` int64 -> ``[T, H]`` fp32."""
+        if self.use_triton:
+            from batchgen.kernels import fused_moe
+
+            return combine(fused_moe(x, self.gate_up_proj, self.down_proj, ids), weights)
+        return combine(self._pairs_torch(x, ids), weights)
+
+    def _pairs_torch(self, x: Tensor, ids: Tensor) -> Tensor:
+        """x ``[T, H]``, ids ``[T, k]`` -> each pair's expert output ``[T * k, H]`` in x's dtype,
+        in (token, slot) order: one gather, a GEMM pair per expert that has pairs, one scatter."""
+        k = ids.shape[1]
+        order, counts = sort_by_expert(ids, self.num_experts)
+        rows = x.index_select(0, order // k)  # [P, H]: pair i's token row, sorted by expert
+        out = torch.empty_like(rows)  # [P, H], sorted like rows
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            seg = rows[start : start + n]
+            if self.packed is None:
+                act = self.silu_mul_(F.linear(seg, self.gate_up_proj[e]))  # [n, I]
+                torch.mm(act, self.down_proj[e].t(), out=out[start : start + n])
+            else:
+                gate_up, down = self.packed[e]
+                act = self.silu_mul_(gate_up(seg))
+                out[start : start + n] = down(act)
+            start += n
+        pair_out = torch.empty_like(out)
+        pair_out[order] = out  # back to (token, slot) order
+        return pair_out
+
+    def extra_repr(self) -> str:
+        packed = ", packed" if self.packed is not None else ""
+        return (
+            f"num_experts={self.num_experts}, hidden={self.hidden}, "
+            f"intermediate={self.intermediate}{packed}"
+        )
