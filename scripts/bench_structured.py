@@ -191,8 +191,8 @@ def replay_masks(model: Path, layout: str, samples: list[list[int]]) -> float:
     import torch
 
     from batchgen.engine.grammar import GrammarCompiler
-    from batchgen.model.config import read_model_info
     from batchgen.model.loader import load_tokenizer
+    from batchgen.model.registry import read_model_info
     from tests import extraction
 
     info = read_model_info(model)

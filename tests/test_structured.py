@@ -118,8 +118,8 @@ def whitespace_loving_decode(model_dir, layout: str, schema: dict) -> tuple[str,
     token that is all whitespace (so the mask alone must end each gap). Returns the text and
     whether the grammar accepted it when EOS came."""
     from batchgen.engine.grammar import GrammarCompiler, apply_masks
-    from batchgen.model.config import read_model_info
     from batchgen.model.loader import load_tokenizer
+    from batchgen.model.registry import read_model_info
 
     tokenizer, info = load_tokenizer(model_dir), read_model_info(model_dir)
     vocab = info.vocab_size
@@ -178,8 +178,8 @@ def test_choice_starts_with_its_own_first_token(tiny_model, model, choices) -> N
     """A choice's first token is that of its own tokenization (so no bare " " before a word);
     the rest may be spelled in any tokenization; and a sample ends only on a whole choice."""
     from batchgen.engine.grammar import GrammarCompiler
-    from batchgen.model.config import read_model_info
     from batchgen.model.loader import load_tokenizer
+    from batchgen.model.registry import read_model_info
     from tests import real_model
 
     model_dir = _model(tiny_model) if model == "tiny" else real_model.gguf()
