@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from batchgen.model.gguf import gguf_name
+
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 # Types written as random blocks: the byte offsets of each block's float16 scales (d, and dmin
@@ -29,34 +31,6 @@ _RANDOM_BLOCKS = {
     "Q6_K": (208,),
     "IQ4_NL": (0,),
 }
-
-_LAYER = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def _gguf_name(hf: str) -> str:
-    fixed = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf in fixed:
-        return fixed[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER[part]}.{kind}"
-
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's Q/K row order: per head, halves interleaved into adjacent pairs."""
@@ -153,7 +127,7 @@ def write_gguf(
         if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         data = value.astype(np.float32)
-        gname = _gguf_name(hf)
+        gname = gguf_name(hf)  # checked independently: tests compare with transformers' reader
         if name == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             data = _permute(data, heads if "attn_q" in gname else kv_heads)
         type_name = (types or {}).get(gname, default) if data.ndim == 2 else "F32"

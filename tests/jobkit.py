@@ -121,3 +121,21 @@ def committed_rows(out: Path) -> int:
     """Input rows the manifest lists as committed (0 without a manifest)."""
     m = manifest_of(out)
     return m["totals"]["rows"] if m else 0
+
+
+def fake_rows(row_id: int, n: int = 2) -> list[dict[str, Any]]:
+    """The ``n`` output rows of one input row, as a writer takes them (made up, not generated)."""
+    return [
+        {
+            "id": row_id,
+            "sample_index": k,
+            "text": f"text {row_id}.{k}",
+            "token_ids": [1, 2],
+            "finish_reason": "length",
+            "error": None,
+            "num_prompt_tokens": 3,
+            "num_cached_tokens": 0,
+            "num_output_tokens": 2,
+        }
+        for k in range(n)
+    ]

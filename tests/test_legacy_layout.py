@@ -26,7 +26,7 @@ from batchgen.results import OutputFolder, read_manifest
 from batchgen.schema import output_schema
 from batchgen.status import read_status
 from batchgen.tiny_model import make_prompts
-from tests.jobkit import manifest_of, read_results, run_cli, run_job, write_job
+from tests.jobkit import fake_rows, manifest_of, read_results, run_cli, run_job, write_job
 
 FP = {"model": "m1", "input": "i1", "sampling": "s1"}
 SCHEMA = output_schema(pa.int64(), [], logprobs=False)
@@ -52,30 +52,13 @@ def files(out: Path) -> list[str]:
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
 
-def rows(row_id: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "id": row_id,
-            "sample_index": k,
-            "text": f"text {row_id}.{k}",
-            "token_ids": [1, 2],
-            "finish_reason": "length",
-            "error": None,
-            "num_prompt_tokens": 3,
-            "num_cached_tokens": 0,
-            "num_output_tokens": 2,
-        }
-        for k in range(2)
-    ]
-
-
 def earlier_folder(out: Path) -> None:
     """An earlier-layout folder holding rows 0..4 in two parts, a report and a batch output."""
     with OutputFolder.open(out, FP) as folder:
         for ids in (range(0, 3), range(3, 5)):
             writer = folder.writer(SCHEMA, 10**6, 1e9)
             for i in ids:
-                writer.add_row_group(rows(i))
+                writer.add_row_group(fake_rows(i))
             writer.commit()
         folder.write_report({"rows": 5, "elapsed_s": 1.0, "output_tokens_per_s": 20.0})
     (out / ".batchgen" / "batch_output.jsonl").write_text('{"custom_id": "a"}\n')

@@ -25,7 +25,7 @@ import pytest
 from batchgen.results import COMMIT_STEPS, OutputFolder
 from batchgen.schema import output_schema
 from batchgen.tiny_model import make_prompts
-from tests.jobkit import committed_rows, manifest_of, read_results, run_job, write_job
+from tests.jobkit import committed_rows, fake_rows, manifest_of, read_results, run_job, write_job
 
 FP = {"model": "m1", "input": "i1", "sampling": "s1"}
 SCHEMA = output_schema(pa.int64(), [], logprobs=False)
@@ -127,27 +127,10 @@ def committed_keys(out: Path) -> Keys:
         return sorted((i, k) for i in folder.completed_ids() for k in range(N))
 
 
-def rows(row_id: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "id": row_id,
-            "sample_index": k,
-            "text": f"text {row_id}.{k}",
-            "token_ids": [1, 2],
-            "finish_reason": "length",
-            "error": None,
-            "num_prompt_tokens": 3,
-            "num_cached_tokens": 0,
-            "num_output_tokens": 2,
-        }
-        for k in range(N)
-    ]
-
-
 def commit(folder: OutputFolder, ids: range, on_step: Any = None) -> None:
     writer = folder.writer(SCHEMA, 10**6, 1e9, on_step=on_step)
     for i in ids:
-        writer.add_row_group(rows(i))
+        writer.add_row_group(fake_rows(i))
     writer.commit()
 
 
@@ -179,7 +162,7 @@ def test_a_folder_being_written(tmp_path: Path, hf_cache: Path) -> None:
         commit(folder, range(0, 3))
         commit(folder, range(3, 5))
         writer = folder.writer(SCHEMA, 10**6, 1e9)
-        writer.add_row_group(rows(5))  # buffered, not committed
+        writer.add_row_group(fake_rows(5))  # buffered, not committed
         assert_readers_see(out, keys_of(range(5)), hf_cache)
 
 

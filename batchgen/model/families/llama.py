@@ -111,6 +111,19 @@ class LlamaAttention(nn.Module):
 _MLP_ROWS = 1024
 
 
+def in_row_slices(
+    forward: Callable[[Tensor, Tensor], Tensor], x: Tensor, residual: Tensor, max_rows: int | None
+) -> Tensor:
+    """``forward(x, residual)`` (which adds into ``residual`` in place) over ``x [T, hidden]`` in
+    slices of at most ``max_rows`` rows (None: all at once); returns ``residual``."""
+    t = x.shape[0]
+    if max_rows is None or t <= max_rows:
+        return forward(x, residual)
+    for i in range(0, t, max_rows):
+        forward(x[i : i + max_rows], residual[i : i + max_rows])
+    return residual
+
+
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused; ``intermediate`` overrides the
     config's width (a MoE model's shared expert)."""
@@ -131,12 +144,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
         """x ``[T, hidden]`` normed input -> ``residual += mlp(x)``, in place."""
-        t = x.shape[0]
-        if self.max_rows is None or t <= self.max_rows:
-            return self._forward(x, residual)
-        for i in range(0, t, self.max_rows):
-            self._forward(x[i : i + self.max_rows], residual[i : i + self.max_rows])
-        return residual
+        return in_row_slices(self._forward, x, residual, self.max_rows)
 
     def _forward(self, x: Tensor, residual: Tensor) -> Tensor:
         act = self.silu_mul_(self.gate_up_proj(x))  # [T, 2I] -> [T, I], in place

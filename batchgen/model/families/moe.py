@@ -32,6 +32,7 @@ from batchgen.model.families.llama import (
     LlamaMLP,
     attention_weights,
     dense_mlp_weights,
+    in_row_slices,
     model_weights,
 )
 from batchgen.model.layers.backend import LayerBackend
@@ -133,12 +134,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
         """x ``[T, hidden]`` normed input -> ``residual += moe(x)``, in place."""
-        t = x.shape[0]
-        if self.max_rows is None or t <= self.max_rows:
-            return self._forward(x, residual)
-        for i in range(0, t, self.max_rows):
-            self._forward(x[i : i + self.max_rows], residual[i : i + self.max_rows])
-        return residual
+        return in_row_slices(self._forward, x, residual, self.max_rows)
 
     def _forward(self, x: Tensor, residual: Tensor) -> Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, k] each
