@@ -140,6 +140,6 @@ def test_the_demo_labels_reviews(reviews, tmp_path):
     assert s["right"] >= SAMPLED_MIN, s
 
 
-# Of 32 and 64; chance is 16 and 32. Measured: 23 and 48 (bf16, a CPU with AVX512-BF16; in the
-# whole demo the first 32 reviews get 27 greedy).
+# Of 32 and 64; chance is 16 and 32. Measured (AMD EPYC, AVX512-BF16): 26 and 52 in bf16, 25 and
+# 51 in float32 (what `auto` gives on a CPU without native bf16).
 GREEDY_MIN, SAMPLED_MIN = 20, 40

@@ -398,18 +398,22 @@ def test_torch_attention_matches_reference(
     torch.testing.assert_close(out2, out)
 
 
+# Llama 3.1-style scaling, with an original context (64) the tests' sequences run past
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+}
+
+
 @pytest.mark.parametrize(
     "rope",
     [
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
-        {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-            "rope_theta": 500000.0,
-        },
+        LLAMA31_ROPE,
         {
             "rope_type": "yarn",
             "factor": 4.0,
@@ -436,16 +440,8 @@ def test_gguf_rope_frequency_factors_match_transformers(tmp_path: Path) -> None:
     ignores rope_freqs): logits past the original context length (64)."""
     from tests.gguf_files import write_gguf
 
-    rope = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "rope_theta": 500000.0,
-    }
     model_dir = make_tiny_model(
-        tmp_path / "m", "llama", num_layers=1, config_overrides={"rope_parameters": rope}
+        tmp_path / "m", "llama", num_layers=1, config_overrides={"rope_parameters": LLAMA31_ROPE}
     )
     path = write_gguf(model_dir, tmp_path / "llama31.gguf")
     model, info = load_model(path, CPU, torch.float32, TorchAttention())

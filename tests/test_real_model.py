@@ -144,7 +144,7 @@ def test_greedy_equals_transformers_float32(float32_rows):
     hf = hf_model(real_model.gguf(), torch.float32)
     logps = teacher_forced(hf, float32_rows)
     agree, exempt, samples = greedy_agreement(float32_rows, logps, eos)
-    assert agree >= 0.9 * samples * MAX_TOKENS * 0.5  # most samples run long (not vacuous)
+    assert agree >= samples * MAX_TOKENS / 2  # not vacuous: the samples run long
     # batchgen's own logprobs of its tokens equal transformers' (float32 tolerance)
     diffs = [
         abs(float(lp[pos, tok]) - float(got))
@@ -179,8 +179,8 @@ def test_int8_kv_cache_against_the_float_cache(float32_rows, tmp_path):
     print(f"int8 KV vs float32 KV: {same:.0%} samples identical, {agree:.1%} positions, "
           f"mean |logprob diff| {gap:.4f}")  # fmt: skip
     # measured (AMD EPYC, AVX-512): 65% of samples identical, 82.0% of positions, mean
-    # |logprob diff| 0.0211; a per-token scale keeps the flips to near-ties of this model
-    assert same >= 0.5 and agree >= 0.7 and gap < 0.04, (same, agree, gap)
+    # |logprob diff| 0.0211; bounds leave room for the AVX2 kernels' other rounding (unmeasured)
+    assert same >= 0.4 and agree >= 0.6 and gap < 0.05, (same, agree, gap)
 
 
 def test_bfloat16_against_transformers_bfloat16(tmp_path):

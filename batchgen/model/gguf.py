@@ -12,9 +12,9 @@ Read with the ``gguf`` package (llama.cpp's own reader). What this module maps:
   float32 tensor. llama.cpp's converter permutes the rows of a Llama model's Q and K projections
   (its RoPE pairs adjacent dims, Hugging Face's pairs halves); they are permuted back here;
 - the tokenizer: transformers' GGUF conversion (BPE ``gpt2`` and SentencePiece ``llama`` models),
-  with BOS/EOS ids and the chat template from the metadata. The converted tokenizer is saved
-  beside nothing: it is cached per file identity under ``$BATCHGEN_CACHE`` (a conversion of a
-  large vocabulary takes seconds; a cached one loads in well under one).
+  with BOS/EOS ids and the chat template from the metadata. The converted tokenizer is cached
+  per file header under ``$BATCHGEN_CACHE`` (converting a large vocabulary takes seconds; the
+  cached one loads in well under one).
 
 Every problem is a ``ModelError`` whose message is one line naming the problem and the file.
 """
@@ -122,8 +122,7 @@ class GgufModel:
         f = self._fields.get(key)
         if f is None:
             return default
-        value = f.contents()
-        return value
+        return f.contents()
 
     # ---------------------------------------------------------------------------------------
     # config
@@ -237,8 +236,8 @@ class GgufModel:
     # tokenizer and identity
 
     def identity_parts(self) -> list[tuple[str, bytes]]:
-        """What identifies the file: its size, its whole header (metadata: config, tokenizer,
-        chat template; the tensor index: names, types, shapes, offsets) and a sample of its
+        """The file's size and its whole header (metadata: config, tokenizer, chat template; the
+        tensor index: names, types, shapes, offsets). The loader's identity adds a sample of the
         tensor bytes."""
         offset = int(self._reader.data_offset)
         with self.path.open("rb") as f:
@@ -250,7 +249,7 @@ class GgufModel:
         from transformers import AutoTokenizer
 
         cache = _tokenizer_cache(self)
-        if cache is not None and (cache / "tokenizer_config.json").is_file():
+        if (cache / "tokenizer_config.json").is_file():
             try:
                 return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
             except Exception:  # a damaged cache entry: convert again
@@ -263,8 +262,7 @@ class GgufModel:
             raise ModelError(
                 f"cannot convert the tokenizer of GGUF file {self.path}: {_one_line(err)}"
             ) from None
-        if cache is not None:
-            _save_atomically(tok, cache)
+        _save_atomically(tok, cache)
         return tok
 
 
@@ -287,18 +285,17 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.0f} MB"
 
 
-def _tokenizer_cache(model: GgufModel) -> Path | None:
+def _tokenizer_cache(model: GgufModel) -> Path:
+    """The cache folder of a file's converted tokenizer: keyed by its header and by the
+    transformers version that converted it."""
+    import transformers
+
     root = os.environ.get("BATCHGEN_CACHE") or Path.home() / ".cache" / "batchgen"
     digest = hashlib.sha256()
     for label, data in model.identity_parts():
         digest.update(label.encode() + b"\0" + data)
-    try:
-        import transformers
-
-        version = transformers.__version__
-    except Exception:  # noqa: BLE001
-        version = "unknown"
-    return Path(root) / "gguf-tokenizers" / f"{digest.hexdigest()[:32]}-{version}"
+    name = f"{digest.hexdigest()[:32]}-{transformers.__version__}"
+    return Path(root) / "gguf-tokenizers" / name
 
 
 def _save_atomically(tok: Any, folder: Path) -> None:
