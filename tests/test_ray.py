@@ -67,6 +67,7 @@ SLOW = (
     "--set",
     "output.commit_seconds=0.05",
 )
+DRIVER_STALL = 2.0  # seconds; worker 0 alone runs its whole shard in less on a quiet 2-core EPYC
 PROC_TIMEOUT = 240  # seconds; a loaded 2-core machine starts torch (and Ray workers) slowly
 
 
@@ -86,6 +87,16 @@ def ray_cluster():
     )
     yield ray
     ray.shutdown()
+
+
+def ahead_rows() -> int:
+    """Rows a worker may have finished beyond what the driver has received: CHUNKS_AHEAD unread
+    chunks and the one it builds, of at most two rows each (SLOW's max_num_seqs=2: a step
+    finishes two samples at most). A kill at a chunk whose task has more rows left lands
+    mid-shard."""
+    from batchgen.executors.ray_worker import CHUNKS_AHEAD
+
+    return 2 * (CHUNKS_AHEAD + 1)
 
 
 def template_of(row_id: int) -> int:
@@ -341,18 +352,25 @@ def test_worker_killed_mid_job(
     monkeypatch: pytest.MonkeyPatch,
     max_restarts: int,
 ) -> None:
-    """SIGKILL worker 0's process right after its first chunk arrives. With restarts left, Ray
-    restarts it and it runs the rows it had not delivered; with none, worker 1 takes them."""
+    """SIGKILL worker 0's process at its first chunk, after the driver stalled for a while (as a
+    busy driver on a fast machine does). The worker cannot have run its shard to the end
+    meanwhile (it pauses CHUNKS_AHEAD chunks ahead of the driver), so the kill lands mid-shard.
+    With restarts left, Ray restarts it and it runs the rows it had not delivered; with none,
+    worker 1 takes them."""
     from batchgen.executors.ray import RayExecutor
 
     real = RayExecutor._receive
     killed: list[int] = []
 
     def receive(self: RayExecutor, task: Any, chunk: Any) -> None:
-        real(self, task, chunk)
         if not killed and task.slot.index == 0:
+            time.sleep(DRIVER_STALL)
+            real(self, task, chunk)
+            assert len(task.remaining) > ahead_rows(), len(task.remaining)
             killed.append(chunk.pid)
             os.kill(chunk.pid, signal.SIGKILL)
+        else:
+            real(self, task, chunk)
 
     monkeypatch.setattr(RayExecutor, "_receive", receive)
     job = job_for(data, tmp_path, SEEDED)
@@ -480,7 +498,7 @@ def test_worker_sigkilled_restarts(
 
     killed: list[int] = []
     # Committed rows at which worker 0's current process is killed.
-    at = {"loading": [], "early": [], "mid": [6], "twice": [4, 20]}[moment]
+    at = {"loading": [], "early": [], "mid": [6], "twice": [4, 12]}[moment]
 
     def kill(slot: Any) -> None:
         pid = slot.pids[-1]
@@ -505,8 +523,16 @@ def test_worker_sigkilled_restarts(
         real_receive(self, task, chunk)
         slot = self.slots[0]
         received = sum(s.totals.rows for s in self.slots)
-        # Kill again only once the previous kill's restart was seen (a new pid delivered rows).
-        if len(killed) < len(at) and received >= at[len(killed)] and len(slot.pids) > len(killed):
+        # Kill again only once the previous kill's restart was seen (a new pid delivered rows),
+        # and only while worker 0 surely has rows left to run (its chunk's task has more rows
+        # left than it may have run ahead).
+        if (
+            len(killed) < len(at)
+            and received >= at[len(killed)]
+            and len(slot.pids) > len(killed)
+            and task.slot is slot
+            and len(task.remaining) > ahead_rows()
+        ):
             kill(slot)
 
     monkeypatch.setattr(RayExecutor, "_submit_load", submit_load)

@@ -9,7 +9,8 @@ output folder; the *workers* (Ray actors, one engine each) only generate.
 - **Run.** Each worker runs a :class:`~batchgen.executors.local.RowGenerator` (the local executor's model
   loading, engine, feeding and result rows) over its shard, and streams finished input rows (all
   n samples of a row) back in chunks, about every ``output.commit_rows`` / ``commit_seconds``,
-  through a Ray generator (at least every second, for the progress bar). Shards travel through
+  through a Ray generator (at least every second, for the progress bar), pausing while
+  ``CHUNKS_AHEAD`` of its chunks wait unread by the driver. Shards travel through
   Ray's object store; each worker keeps one shard queued behind the one it runs, so it does not
   wait for the driver between shards.
 - **Write.** The job loop hands the rows to the same :class:`~batchgen.results.PartWriter` as a

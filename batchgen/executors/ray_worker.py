@@ -22,6 +22,9 @@ from batchgen.prompts import EncodedRow
 from batchgen.schema import RowGroup
 
 CHUNK_SECONDS = 1.0  # a worker hands back finished rows at least this often (for the progress bar)
+# A worker pauses when this many of its chunks wait unread by the driver: the rows in flight stay
+# bounded, and a worker never runs a whole shard ahead of what the driver has seen.
+CHUNKS_AHEAD = 4
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Worker:
             },
         }
 
+    @ray.method(_generator_backpressure_num_objects=CHUNKS_AHEAD)
     def run(
         self,
         shard: list[EncodedRow],
