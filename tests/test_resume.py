@@ -254,7 +254,8 @@ def test_sigkill_anywhere_then_resume(crash: SimpleNamespace) -> None:
     pace slack old: 4 x (the reference run's longest wait between finished rows + longest step +
     longest commit), at least 1 s, for a subprocess on a loaded machine. A kill so loses at most
     the rows finished in that time (the default commit_seconds, 5, would fail the bound)."""
-    out = crash.base / "killed"
+    folders = 0  # a job that ran to the end before its kill is checked; the kills go on anew
+    out = crash.base / "killed-0"
     pace = crash.pace
     age_bound = COMMIT_SECONDS + max(1.0, 4 * (pace.finish_gap + pace.step + pace.commit))
     seed = random.randrange(1 << 30)
@@ -273,15 +274,23 @@ def test_sigkill_anywhere_then_resume(crash: SimpleNamespace) -> None:
         proc = start(crash.job, "--set", f"output.path={out}", *commits)
         if how == "startup":
             time.sleep(rng.uniform(0.2, 2.5))  # imports, model load, folder cleanup
-        else:
-            if not wait_for_commit(proc, out, before):
-                break  # ran to the end before we could kill it
+        elif wait_for_commit(proc, out, before):
             if how == "random":
                 time.sleep(rng.uniform(0.0, 2 * COMMIT_SECONDS))
             else:
                 wait_for_temp_file(proc, out, timeout=3.0)
         if proc.poll() is not None:
-            break
+            # It ran to the end before the kill (a fast machine): the folder must be complete;
+            # this kill is tried again on a fresh folder.
+            _, err = proc.communicate(timeout=PROC_TIMEOUT)
+            assert proc.returncode == 0, err
+            figures = check_complete(out, crash, kept)
+            log.append(f"{how}: the job ended first ({figures['rows']} rows); a fresh folder")
+            folders += 1
+            assert folders < 5, log
+            out, kept = crash.base / f"killed-{folders}", {}
+            plan.insert(0, how)
+            continue
         killed_at = datetime.now(timezone.utc)
         proc.kill()
         proc.wait(timeout=60)
@@ -365,21 +374,38 @@ def test_sigint_and_sigterm_save_then_resume(crash: SimpleNamespace) -> None:
         print(f"[resume] after the resume: {figures}\n{status}")
 
 
+@pytest.fixture(scope="module")
+def long_steps(tiny_model, tmp_path_factory) -> Path:
+    """A job whose engine steps last long (prefill chunks of 2048 tokens through 8 layers of
+    width 256: about 0.1 s a step on a 2-core EPYC), each made of many short torch ops."""
+    model = tiny_model(
+        "llama",
+        num_layers=8,
+        hidden_size=256,
+        intermediate_size=512,
+        max_position_embeddings=2048,
+    )
+    prompts = make_prompts(128, seed=3, min_words=150, max_words=300)
+    sampling = {**SAMPLING, "max_tokens": 8}  # n=N, as check_folder expects
+    engine = {"max_num_seqs": 32, "max_num_batched_tokens": 2048}
+    base = tmp_path_factory.mktemp("long-steps")
+    return write_job(base, model, prompts, sampling=sampling, engine=engine)
+
+
 @pytest.mark.slow
-def test_second_sigint_exits_at_once(crash: SimpleNamespace) -> None:
+def test_second_sigint_exits_at_once(long_steps: Path) -> None:
     """A second SIGINT during the graceful stop exits 130 at once: the hard exit's message is the
     last thing written, the graceful summary never comes, the folder reads cleanly. The second
-    signal must land in the short stop (the rest of a step, the last commit, the report): on a
-    fresh folder each time, try again with other delays until it did."""
-    # Seconds between the two signals. The graceful stop lasts tens of milliseconds on a quiet
-    # machine, and two signals that arrive within one torch op reach Python as one: short delays,
-    # many tries (one landed in about one try of three on a busy machine; on a quiet AVX512-BF16
-    # EPYC twelve tries once all missed, the stop over within about 3 ms, hence the finer grid).
-    delays = [0.002, 0.001, 0.0025, 0.0015, 0.003, 0.005, 0.002, 0.01, 0.0035, 0.001] * 3
+    signal must land in the graceful stop, which first finishes the step in progress: on a job
+    of long steps, the first signal's handler runs within one short op, and the second, a few
+    milliseconds later, lands in the rest of the step. Signals that arrive within one op reach
+    Python as one (the stop is then graceful): on a fresh folder each time, try other delays
+    until one landed."""
+    delays = [0.01, 0.02, 0.005, 0.03, 0.015, 0.01, 0.04, 0.008]
     outcomes: list[str] = []
     for attempt, delay in enumerate(delays):
-        out = crash.base / f"twice-{attempt}"
-        proc = start(crash.job, "--set", f"output.path={out}", *FAST_COMMITS)
+        out = long_steps.parent / f"twice-{attempt}"
+        proc = start(long_steps, "--set", f"output.path={out}", *FAST_COMMITS)
         assert wait_for_commit(proc, out, 0), proc.communicate()
         proc.send_signal(signal.SIGINT)
         time.sleep(delay)
