@@ -353,6 +353,91 @@ def test_silu_mul_matches_torch(kernel: CpuKernels, inter: int) -> None:
     torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=2e-6)
 
 
+def moe_reference(
+    x: torch.Tensor, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e_of: list[int]
+) -> torch.Tensor:
+    """The experts' SwiGLU MLPs pair by pair in float64 (pair p: token row rows[p], expert
+    e_of[p]), rounded to bf16 where the kernel's bf16 path rounds (each GEMM output, silu, the
+    product) when the inputs are bf16."""
+    bf = x.dtype == torch.bfloat16
+
+    def r(t: torch.Tensor) -> torch.Tensor:
+        return t.bfloat16().double() if bf else t
+
+    inter = down.shape[2]
+    out = []
+    for p, e in enumerate(e_of):
+        h = r(gate_up[e].double() @ x[int(rows[p])].double())  # [2I]
+        act = r(r(torch.nn.functional.silu(h[:inter])) * h[inter:])
+        out.append(r(down[e].double() @ act))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    "t, e, h, inter, k, same",
+    [
+        (5, 8, 64, 32, 2, False),  # dpbf16 path (H, I multiples of 32)
+        (7, 4, 72, 40, 3, False),  # tails: H, I not multiples of 16 or 32
+        (1, 6, 96, 16, 6, False),  # one token, every expert once
+        (13, 16, 40, 24, 1, True),  # every pair on one expert: tiles of 8, 4 and 1
+        (33, 16, 128, 48, 4, False),  # some experts without pairs
+    ],
+)
+def test_moe_experts_match_reference(
+    flavor: Flavor, t: int, e: int, h: int, inter: int, k: int, same: bool
+) -> None:
+    """Both passes over the pairs sorted by expert; x given with a padded row stride."""
+    gen = torch.Generator().manual_seed(t * 100 + h)
+    dt = flavor.dtype
+    x = (torch.randn(t, h + 8, generator=gen))[:, :h].to(dt)  # stride h + 8
+    gate_up = (torch.randn(e, 2 * inter, h, generator=gen) / h**0.5).to(dt)
+    down = (torch.randn(e, h, inter, generator=gen) / inter**0.5).to(dt)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    if same:
+        ids[:] = 3
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    starts = torch.zeros(e + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=starts[1:])
+    rows = order // k
+    out = torch.full((rows.shape[0], h), float("nan"), dtype=dt)
+    flavor.kernel.moe_experts(x, rows, starts, gate_up, down, out, max_rows=t * k)
+    want = moe_reference(x, rows, gate_up, down, flat[order].tolist())
+    if dt == torch.float32:
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    else:
+        # a dot product summed in fp32 may round a GEMM output to the neighbouring bf16 value
+        assert_within_ulps(out, want, 4.0, 1e-3)
+
+
+def test_moe_experts_leave_the_experts_above_max_rows(kernel: CpuKernels) -> None:
+    """Experts with more than max_rows pairs are the caller's: their rows stay untouched."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 32, generator=gen)
+    gate_up, down = torch.randn(3, 16, 32, generator=gen), torch.randn(3, 32, 8, generator=gen)
+    rows = torch.tensor([0, 1, 2, 3, 4, 5])  # expert 0: pairs 0-1, expert 1: none, 2: 2-5
+    starts = torch.tensor([0, 2, 2, 6])
+    out = torch.full((6, 32), float("nan"))
+    kernel.moe_experts(x, rows, starts, gate_up, down, out, max_rows=3)
+    assert out[2:].isnan().all() and not out[:2].isnan().any()
+    want = moe_reference(x, rows, gate_up, down, [0, 0, 2, 2, 2, 2])
+    torch.testing.assert_close(out[:2].double(), want[:2], atol=1e-5, rtol=1e-5)
+
+
+def test_moe_experts_rejects_bad_inputs(kernel: CpuKernels) -> None:
+    x = torch.randn(3, 16)
+    gate_up, down = torch.randn(4, 8, 16), torch.randn(4, 16, 4)
+    rows, starts = torch.zeros(3, dtype=torch.int64), torch.tensor([0, 3, 3, 3, 3])
+    out = torch.empty(3, 16)
+    with pytest.raises(ValueError, match="moe_experts"):
+        kernel.moe_experts(x, rows.int(), starts, gate_up, down, out, 8)  # int32 rows
+    with pytest.raises(ValueError, match="moe_experts"):
+        kernel.moe_experts(x, rows, starts, gate_up.bfloat16(), down, out, 8)  # mixed dtypes
+    with pytest.raises(ValueError, match="moe_experts"):
+        kernel.moe_experts(x, rows, starts[:-1], gate_up, down, out, 8)  # starts not [E + 1]
+
+
 @pytest.fixture(params=["native", "portable"])
 def bf16_kernel(request: pytest.FixtureRequest) -> CpuKernels:
     """Both builds, for the bf16 layer ops."""

@@ -26,6 +26,7 @@ from batchgen.model.attention import TorchAttention
 from batchgen.model.layers.backend import LayerBackend
 from batchgen.model.layers.moe import FusedExperts, experts_reference, route
 from batchgen.model.loader import load_model
+from batchgen.model.packed_linear import Mkl
 from batchgen.model.registry import SUPPORTED_ARCHITECTURES, read_model_config
 from batchgen.tiny_model import make_prompts
 from tests.hf_reference import MOE_ARCHS, hf_greedy, hf_logits
@@ -74,10 +75,16 @@ def test_route_is_transformers_router_without_ties() -> None:
         assert torch.equal(ids, top_ids) and torch.allclose(weights, top)
 
 
-def experts_for(e: int, h: int, inter: int, dtype: torch.dtype, native: bool) -> FusedExperts:
-    """FusedExperts with random weights on the CPU; ``native``: packed for MKL (fp32)."""
+def experts_for(
+    e: int, h: int, inter: int, dtype: torch.dtype, native: bool, kernels: bool = True
+) -> FusedExperts:
+    """FusedExperts with random weights on the CPU, prepared as the model prepares them;
+    ``native``: the fastest implementations here (the C kernel, or without it (``kernels``
+    False) MKL-packed weights in fp32); else the PyTorch ops."""
     gen = torch.Generator().manual_seed(e * 100 + inter)
     layers = LayerBackend.select(CPU, dtype, native)
+    if not kernels:
+        layers = LayerBackend(CPU, dtype, cpu=None, gemm=layers.gemm)
     with torch.device("meta"):
         experts = FusedExperts(e, h, inter, layers)
     experts.gate_up_proj = torch.nn.Parameter(
@@ -86,8 +93,7 @@ def experts_for(e: int, h: int, inter: int, dtype: torch.dtype, native: bool) ->
     experts.down_proj = torch.nn.Parameter(
         (0.2 * torch.randn(e, h, inter, generator=gen)).to(dtype), requires_grad=False
     )
-    if native:
-        assert layers.gemm is not None
+    if native and experts.cpu is None and isinstance(layers.gemm, Mkl):
         experts.pack(layers.gemm)
     return experts
 
@@ -100,22 +106,34 @@ EXPERT_CASES = [
     (5, 6, 3, [[0, 1, 2], [0, 1, 2], [5, 4, 3], [2, 0, 1], [4, 3, 5]]),
     (17, 8, 2, None),
     (40, 16, 4, None),  # some experts likely idle, others with many tokens
+    (12, 8, 2, [[3, 6]] * 12),  # two experts with more pairs than CPU_KERNEL_ROWS: their GEMMs
 ]
 
 
-# the model's expert paths: MKL-packed in fp32 (the CPU's native path), F.linear on the stacked
-# weights in fp32 (native=False) and in bf16 (both modes: bf16 experts are never packed)
-PATHS = [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)]
+# the model's expert paths on the CPU: the C kernel (few pairs per expert) with GEMMs (more), in
+# fp32 and bf16; without the kernel MKL-packed experts in fp32; F.linear on the stacked weights
+# (native=False)
+PATHS = [
+    ("cpu_kernels", torch.float32),
+    ("cpu_kernels", torch.bfloat16),
+    ("mkl", torch.float32),
+    ("torch", torch.float32),
+    ("torch", torch.bfloat16),
+]
 
 
-@pytest.mark.parametrize("native,dtype", PATHS, ids=["fp32-packed", "fp32-torch", "bf16"])
+@pytest.mark.parametrize(
+    "path,dtype", PATHS, ids=["fp32-kernel", "bf16-kernel", "fp32-mkl", "fp32-torch", "bf16-torch"]
+)
 @pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-k{c[2]}")
-def test_fused_experts_match_the_definition(case, native: bool, dtype: torch.dtype) -> None:
+def test_fused_experts_match_the_definition(case, path: str, dtype: torch.dtype) -> None:
     t, e, k, given = case
-    if native:
-        require("mkl")
+    if path != "torch":
+        require(path)
     h, inter = 64, 24
-    experts = experts_for(e, h, inter, dtype, native)
+    experts = experts_for(e, h, inter, dtype, path != "torch", kernels=path == "cpu_kernels")
+    assert (experts.cpu is not None) == (path == "cpu_kernels")
+    assert (experts.packed is not None) == (path == "mkl")
     gen = torch.Generator().manual_seed(t)
     x = torch.randn(t, h, generator=gen).to(dtype)
     if given is None:
@@ -133,10 +151,11 @@ def test_fused_experts_match_the_definition(case, native: bool, dtype: torch.dty
     assert err <= tol * max(1.0, want.abs().max().item()), err
 
 
-def test_tokens_with_identical_experts_get_identical_outputs() -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_tokens_with_identical_experts_get_identical_outputs(native: bool) -> None:
     """Two equal tokens routed to the same experts, in a step with other tokens: bit-identical
     outputs (a token's result does not depend on its position in the step)."""
-    experts = experts_for(8, 64, 24, torch.float32, native=False)
+    experts = experts_for(8, 64, 24, torch.float32, native=native)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(6, 64, generator=gen)
     x[4] = x[1]

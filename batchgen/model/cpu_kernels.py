@@ -177,6 +177,11 @@ class CpuKernels:
                                i32)  # fmt: skip
         self._prefix_i8 = _bind(lib.prefix_attention_merge_i8, ctypes.c_int, p, i64, i32, p, p, p,
                                 p, p, p, p, p, i32, p, p, i32, i32, i32, f32, i32)  # fmt: skip
+        self._moe = {
+            dt: _bind(getattr(lib, f"moe_experts_{sfx}"), ctypes.c_int, p, i64, p, p, p, p, p, p,
+                      i64, i64, i64, i64, i32)  # fmt: skip
+            for dt, sfx in _SUFFIX.items()
+        }
         self._noise = _bind(lib.uniform_noise_f32, None, p, p, i64, p, i64, i64)
         self._race = _bind(lib.race_draw_f32, None, p, i64, p, p, i64, i64, p)
         self.path = path
@@ -351,6 +356,50 @@ class CpuKernels:
             raise ValueError("cpu silu_mul: unsupported dtypes, shapes or strides")
         self._silu_mul[gate_up.dtype](gate_up.data_ptr(), t, two_i // 2)
         return gate_up[:, : two_i // 2]
+
+    def moe_experts(
+        self,
+        x: Tensor,
+        rows: Tensor,
+        starts: Tensor,
+        gate_up: Tensor,
+        down: Tensor,
+        out: Tensor,
+        max_rows: int,
+    ) -> None:
+        """The experts' SwiGLU MLPs over (token, slot) pairs sorted by expert: x ``[T, H]``
+        (rows contiguous), rows ``[P]`` int64 (pair p's token row), starts ``[E + 1]`` int64
+        (expert e's pairs are ``starts[e]:starts[e + 1]``), gate_up ``[E, 2I, H]``, down
+        ``[E, H, I]`` -> out ``[P, H]`` (contiguous, x's dtype, in the pairs' sorted order): the
+        rows of the experts with at most ``max_rows`` pairs (other rows are left as they are).
+        bf16 rounds where the PyTorch path's tensors are stored."""
+        e, two_i, h = gate_up.shape
+        p = rows.shape[0]
+        ok = (
+            x.dtype in _DTYPES
+            and gate_up.dtype == down.dtype == out.dtype == x.dtype
+            and x.dim() == 2
+            and x.shape[1] == h
+            and x.stride(1) == 1
+            and gate_up.is_contiguous()
+            and down.is_contiguous()
+            and down.shape == (e, h, two_i // 2)
+            and rows.dtype == starts.dtype == torch.int64
+            and rows.is_contiguous()
+            and starts.is_contiguous()
+            and starts.shape == (e + 1,)
+            and out.is_contiguous()
+            and out.shape == (p, h)
+        )
+        if not ok:
+            raise ValueError("cpu moe_experts: unsupported dtypes, shapes or strides")
+        act = torch.empty(p, two_i // 2, dtype=x.dtype)
+        rc = self._moe[x.dtype](x.data_ptr(), x.stride(0), rows.data_ptr(), starts.data_ptr(),
+                                gate_up.data_ptr(), down.data_ptr(), act.data_ptr(),
+                                out.data_ptr(), e, h, two_i // 2, max_rows,
+                                torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise MemoryError("cpu moe_experts: out of memory for its task list")
 
     def store_kv(
         self,

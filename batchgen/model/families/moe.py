@@ -171,17 +171,19 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def pack_weights(self) -> int:
         """The dense layers' packing (:meth:`LlamaForCausalLM.pack_weights`), plus, with MKL
-        (CPU fp32), each expert's two weights. oneDNN-packed experts (bf16) are slower than
-        ``F.linear`` on the stacked weights: measured at Qwen3-30B-A3B's expert shape (128 experts,
-        hidden 2048, I 768, top 8; AMD EPYC, AVX512-BF16, one thread), 64 tokens 288 ms packed
-        against 150 ms, 1,024 tokens 1,608 against 574; in fp32 MKL-packed 244 against 390 and
-        1,665 against 1,893."""
+        (CPU fp32) and without the C kernels, each expert's two weights. Where the C kernels
+        run the experts (:meth:`FusedExperts._pairs_cpu`), the stacked weights stay: the kernel
+        reads them, and the GEMMs of its large experts on stacked weights were as fast as
+        MKL-packed ones (Qwen3-30B-A3B's expert shape, one thread: 256 and 1,024 tokens within
+        4%). oneDNN-packed experts (bf16) are slower than ``F.linear`` on the stacked weights:
+        64 tokens 288 ms packed against 150 ms, 1,024 tokens 1,608 against 574 (AMD EPYC,
+        AVX512-BF16, one thread)."""
         count = super().pack_weights()
         gemm = self.layer_backend.gemm
         if not isinstance(gemm, Mkl):
             return count
         for module in self.modules():
-            if isinstance(module, FusedExperts):
+            if isinstance(module, FusedExperts) and module.cpu is None:
                 count += module.pack(gemm)
         return count
 

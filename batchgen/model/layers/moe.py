@@ -16,11 +16,15 @@ in (token, slot) order and combined in one pass: ``out[t] = sum_j w[t, j] * y[t,
 summed in slot order (so a token's result does not depend on which other tokens share the
 step, up to the GEMMs' rounding for other row counts).
 
-- CPU (and any device without Triton): PyTorch GEMMs, a Python loop over the experts that have
-  pairs (at most ``num_experts`` iterations per layer, whatever the token count); in fp32 with
-  MKL, each expert's two weights are packed once at load (:meth:`FusedExperts.pack`) like the
-  dense layers' (bf16 experts stay as they are: ``F.linear`` beat oneDNN-packed experts there,
-  see :meth:`batchgen.model.families.moe.MoeForCausalLM.pack_weights`).
+- CPU with the C kernels (:meth:`batchgen.model.cpu_kernels.CpuKernels.moe_experts`): the
+  experts with few pairs (:data:`CPU_KERNEL_ROWS`; every expert in a decode step) in one call:
+  a task is 16 weight rows of one expert, so each selected expert's weights are streamed once
+  (``F.linear`` on a few rows of a stacked expert weight ran at a few GB/s); the experts with
+  more pairs (prefill chunks) as GEMMs on the stacked weights.
+- CPU without them (and any device without Triton): PyTorch GEMMs, a Python loop over the
+  experts that have pairs (at most ``num_experts`` iterations per layer, whatever the token
+  count); in fp32 with MKL, each expert's two weights are packed once at load
+  (:meth:`FusedExperts.pack`) like the dense layers'.
 - CUDA: the grouped-GEMM Triton kernel ``batchgen.kernels.fused_moe`` (each expert's slice
   padded to the kernel's row tile, every tile of every expert in one launch per GEMM; no host
   sync), then the same combine.
@@ -38,7 +42,13 @@ from batchgen.model.layers.linear import OneDnnLinear, PackedLinear, pack_linear
 from batchgen.model.onednn_linear import OneDnn
 from batchgen.model.packed_linear import Mkl
 
-__all__ = ["FusedExperts", "experts_reference", "route", "sort_by_expert"]
+__all__ = ["CPU_KERNEL_ROWS", "FusedExperts", "experts_reference", "route", "sort_by_expert"]
+
+# On the CPU, an expert with at most this many pairs in a step runs in the C kernel (a stream
+# over its weights), one with more as GEMMs (which reuse each weight across rows better).
+# Measured at Qwen3-30B-A3B's expert shape, one thread: the kernel was 1.5-4x faster at 1-4
+# pairs per expert and 0.7-0.8x at 16-64.
+CPU_KERNEL_ROWS = 8
 
 
 def route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -111,6 +121,8 @@ class FusedExperts(nn.Module):
         self.silu_mul_: SiluMul = silu_mul(layers)
         # CUDA: the Triton kernel (the parameters stay stacked; nothing is packed there)
         self.use_triton = layers.device.type == "cuda"
+        # CPU: the C kernel when it could be built (the parameters stay stacked)
+        self.cpu = layers.cpu
         # per expert, once packed (pack): the two GEMMs' packed layers; None: the parameters
         self.packed: list[tuple[PackedLinear | OneDnnLinear, PackedLinear | OneDnnLinear]] | None
         self.packed = None
@@ -137,7 +149,33 @@ class FusedExperts(nn.Module):
             from batchgen.kernels import fused_moe
 
             return combine(fused_moe(x, self.gate_up_proj, self.down_proj, ids), weights)
+        if self.cpu is not None and self.packed is None:
+            return combine(self._pairs_cpu(x, ids), weights)
         return combine(self._pairs_torch(x, ids), weights)
+
+    def _pairs_cpu(self, x: Tensor, ids: Tensor) -> Tensor:
+        """:meth:`_pairs_torch` with the experts that have at most :data:`CPU_KERNEL_ROWS` pairs
+        in the C kernel (one call), the others as GEMMs."""
+        k = ids.shape[1]
+        order, counts = sort_by_expert(ids, self.num_experts)
+        starts = counts.new_zeros(self.num_experts + 1)
+        torch.cumsum(counts, 0, out=starts[1:])
+        rows = order // k  # pair i's token row, sorted by expert
+        x = x.contiguous()
+        out = x.new_empty(order.shape[0], self.hidden)  # [P, H], sorted like rows
+        self.cpu.moe_experts(
+            x, rows, starts, self.gate_up_proj, self.down_proj, out, CPU_KERNEL_ROWS
+        )
+        big = (counts > CPU_KERNEL_ROWS).nonzero().flatten().tolist()
+        if big:
+            at = starts.tolist()
+            for e in big:
+                seg = x.index_select(0, rows[at[e] : at[e + 1]])
+                act = self.silu_mul_(F.linear(seg, self.gate_up_proj[e]))  # [n, I]
+                torch.mm(act, self.down_proj[e].t(), out=out[at[e] : at[e + 1]])
+        pair_out = torch.empty_like(out)
+        pair_out[order] = out  # back to (token, slot) order
+        return pair_out
 
     def _pairs_torch(self, x: Tensor, ids: Tensor) -> Tensor:
         """x ``[T, H]``, ids ``[T, k]`` -> each pair's expert output ``[T * k, H]`` in x's dtype,
