@@ -27,7 +27,8 @@ import yaml
 
 from batchgen.errors import JobError
 from batchgen.fingerprint import fingerprint
-from batchgen.job import ExecutorConfig, load_job
+from batchgen.job import ExecutorConfig
+from batchgen.jobfile import load_job
 from batchgen.results import MANIFEST_NAME, REPORT_NAME, OutputFolder, totals_of
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import committed_rows, manifest_of, read_results, run_cli, write_job
