@@ -443,7 +443,7 @@ def test_driver_killed_then_resumed(ray_cluster, data: SimpleNamespace, tmp_path
     partial = ds.dataset([str(out / n) for n in listed], format="parquet").to_table().to_pylist()
     assert Counter(Counter(r["id"] for r in partial).values()) == {SEEDED["n"]: killed_at}
     # A kill between a part's rename (its commit) and the manifest update leaves one part the
-    # manifest does not list yet (see batchgen/results.py); the resume lists it, and
+    # manifest does not list yet (see batchgen/results/local.py); the resume lists it, and
     # check_exactly_once below verifies that no row is lost or written twice.
     unlisted = [p for p in out.glob("part-*.parquet") if p.name not in listed]
     assert len(unlisted) <= 1, unlisted
