@@ -513,4 +513,3 @@ def test_a_full_disk_at_the_manifest_update_counts_the_committed_part(
     assert keys_of(read_back(out)) == [(i, k) for i in range(3) for k in range(2)]
     with OutputFolder.open(out, FP) as folder:
         assert folder.completed_ids() == {0, 1, 2} and folder.counts()["rows"] == 3
-
