@@ -17,9 +17,10 @@ next step: a sequence whose token is in flight computes it (its input id filled 
 and samples the one after. If the in-flight token finishes the sequence (EOS, a stop string), the
 token drawn after it is discarded (``num_discarded_tokens``). A sequence the in-flight token
 finishes for sure (max_tokens, max_model_len) is retired at ``launched``: not scheduled again,
-its blocks freed as they would be without overlap. ``update`` is both halves at once.
+its blocks freed as they would be without overlap. A step that does not overlap calls the two
+halves one after the other.
 
-One noun in one file (about 640 lines): admission, the token budget, forks, parking and
+One noun in one file: admission, the token budget, forks, parking and
 preemption share the block accounting that ``check`` asserts, and split apart they would each
 have to re-derive it.
 """
@@ -77,8 +78,8 @@ class Batch:
     # a cached block that a new sequence's prompt shares in part), in any order: destinations
     # are distinct and none is a source (Scheduler.check).
     copies: list[tuple[int, int]] = field(default_factory=list)
-    # One pool reference per copy source, held by the batch until it has run (``update`` drops
-    # them): no source is freed, and so reused as a destination, while the batch is scheduled.
+    # One pool reference per copy source, held by the batch until it is launched (``launched``
+    # drops them): no source is freed, and so reused as a destination, while the batch is scheduled.
     held: list[int] = field(default_factory=list)
     _holds: dict[int, int] = field(default_factory=dict, repr=False)  # block -> count in held
     # Set by ``Scheduler.launched``: the sequence of each sampled row, in row order (the rows of
@@ -443,16 +444,6 @@ class Scheduler:
 
     # -- after the forward pass ------------------------------------------------------------------
 
-    def update(self, batch: Batch, draws: list[list[Draw]]) -> list[TokenSequence]:
-        """Record the computed chunks and the sampled tokens; return the sequences that finished
-        (``launched`` and ``complete`` at once: steps that do not overlap).
-
-        ``draws`` has one list per sampling chunk of ``batch`` (in order), with one Draw per
-        target of that chunk's sequence.
-        """
-        self.launched(batch)
-        return self.complete(batch, [d for chunk_draws in draws for d in chunk_draws])
-
     def launched(self, batch: Batch) -> None:
         """``batch``'s step is on the device: its chunks' KV counts as computed and each sampled
         row's token is in flight (``batch.sampled`` lists the rows' sequences). Sequences whose
@@ -576,7 +567,7 @@ class Scheduler:
 
     def check(self, batch: Batch | None = None) -> None:
         """Assert that every block is accounted for: free, owned by the cache, held by a running
-        or parked sequence, or by ``batch`` (the batch scheduled last, until ``update``), with
+        or parked sequence, or by ``batch`` (the batch scheduled last, until ``launched``), with
         refcounts equal to the number of holders; and the batch's block copies can run as one
         unordered set (destinations distinct, none of them a source, every source held).
 
@@ -585,7 +576,7 @@ class Scheduler:
         one is scheduled only as a one-token decode of that token, and only if its sampling does
         not wait for it (``_may_run_ahead``); a retired one holds nothing.
 
-        Call it after ``update`` or ``complete``, or after ``schedule`` with the batch it
+        Call it after ``complete``, or after ``schedule`` with the batch it
         returned.
         """
         self.pool.check()
