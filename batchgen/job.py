@@ -180,7 +180,7 @@ class InputConfig(_Section):
     one is an error). ``sampling_columns`` maps a key of :data:`ROW_SAMPLING_KEYS` to the input
     column whose non-null values override it for their row.
 
-    Extension (not in SPEC): ``window_rows``, the number of rows read, tokenized and ordered by
+    Extension (docs/job-file.md): ``window_rows``, the number of rows read, tokenized and ordered by
     shared prefix together. Larger windows find more shared prefixes and hold more rows in
     memory. It does not change results, so it is not in the fingerprint.
     """
@@ -241,7 +241,7 @@ class InputConfig(_Section):
 class OutputConfig(_Section):
     """``output:``: the results folder.
 
-    Extensions (not in SPEC): finished rows are committed to disk (a new part file and the
+    Extensions (docs/job-file.md): finished rows are committed to disk (a new part file and the
     manifest) once ``commit_rows`` output rows are buffered or ``commit_seconds`` have passed
     since the last commit, whichever comes first. They bound the work lost to a crash; they do
     not change results and are not in the fingerprint.
@@ -346,7 +346,8 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 class EngineConfig(_Section):
     """``engine:``: how the work is done. Not in the fingerprint, a job may resume with others,
-    except the numerics it resolves to (``dtype`` and ``kv_cache_dtype``, see :func:`numerics`).
+    except the numerics it resolves to (``dtype`` and ``kv_cache_dtype``, see
+    :func:`batchgen.fingerprint.numerics`).
 
     ``kv_cache_memory`` is a positive int of bytes or ``"auto"`` after validation.
     """
@@ -424,7 +425,7 @@ class StorageConfig(_Section):
     (``AWS_ENDPOINT_URL``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``). Credentials are never
     keys here: they come from AWS's usual chain (``AWS_ACCESS_KEY_ID`` /
     ``AWS_SECRET_ACCESS_KEY``, a profile, an instance role), so they never reach the output
-    folder or the fingerprint. Extension (not in SPEC): ``lease_seconds``, how long a writer's
+    folder or the fingerprint. Extension (docs/job-file.md): ``lease_seconds``, how long a writer's
     lease on an ``s3://`` output stays valid without renewal (see batchgen.storage.ObjectLease).
     None of it is in the fingerprint.
     """
@@ -437,9 +438,9 @@ class StorageConfig(_Section):
 class Job(_Section):
     """A whole job file. ``model``, ``input.path`` and ``output.path`` are required.
 
-    After :func:`~batchgen.jobfile.load_job`, ``input.path`` and ``output.path`` are absolute (or ``s3://``
-    URIs), and ``model`` is absolute, unless it is a hub id (``org/name`` that names no local
-    path), which stays relative and is resolved by :func:`batchgen.model.loader.resolve_model`
+    After :func:`~batchgen.jobfile.load_job`, ``input.path`` and ``output.path`` are absolute (or
+    ``s3://`` URIs), and ``model`` is absolute, unless it is a hub id (``org/name`` that names no
+    local path), which stays relative and is resolved by :func:`batchgen.model.hub.resolve_model`
     (with ``revision``: a branch, tag or commit).
     """
 

@@ -160,7 +160,7 @@ _LEGACY_AUTO = {"cuda": torch.bfloat16, "cpu": torch.float32}
 
 
 def job_numerics(job: Job, folder: Path) -> tuple[str, tuple[str, ...]]:
-    """The numerics for the job's fingerprint (:func:`~batchgen.job.numerics`), and the
+    """The numerics for the job's fingerprint (:func:`~batchgen.fingerprint.numerics`), and the
     fingerprint keys an output folder may lack (``adopt`` of :meth:`OutputFolder.open`).
 
     Resolved as :func:`resolve_placement` does. Ray workers resolve their own placement: with an

@@ -38,9 +38,9 @@ def error_of(tmp_path: Path, extra: dict | None = None, overrides=()) -> str:
 # --------------------------------------------------------------------------- defaults, paths
 
 
-# The defaults SPEC.md's job file lists, written out here (not taken from the code), for every
+# The defaults docs/job-file.md lists, written out here (not taken from the code), for every
 # key batchgen implements: a key added without its default here fails the tests below.
-SPEC_INPUT = {
+DOCUMENTED_INPUT = {
     "prompt_column": "prompt",
     "messages_column": None,
     "id_column": "id",
@@ -50,8 +50,8 @@ SPEC_INPUT = {
     "sampling_columns": {},
     "window_rows": 10000,
 }
-SPEC_OUTPUT = {"commit_rows": 1000, "commit_seconds": 5.0}
-SPEC_SAMPLING = {
+DOCUMENTED_OUTPUT = {"commit_rows": 1000, "commit_seconds": 5.0}
+DOCUMENTED_SAMPLING = {
     "n": 1,
     "max_tokens": 256,
     "temperature": 1.0,
@@ -68,7 +68,7 @@ SPEC_SAMPLING = {
     "logprobs": False,
     "structured": None,
 }
-SPEC_ENGINE = {
+DOCUMENTED_ENGINE = {
     "device": "auto",
     "dtype": "auto",
     "kv_cache_dtype": "auto",
@@ -81,19 +81,19 @@ SPEC_ENGINE = {
     "attention_backend": "auto",
     "prefix_caching": True,
     "cuda_graphs": "off",
-    "overlap": "auto",  # not in SPEC: launch steps ahead of the token readback (CUDA)
+    "overlap": "auto",  # launch steps ahead of the token readback (CUDA)
 }
 
 
 def assert_spec_defaults(job: Job) -> None:
-    assert job.sampling.model_dump() == SPEC_SAMPLING
-    assert job.engine.model_dump() == SPEC_ENGINE
+    assert job.sampling.model_dump() == DOCUMENTED_SAMPLING
+    assert job.engine.model_dump() == DOCUMENTED_ENGINE
 
 
 def test_defaults_follow_spec(tmp_path: Path) -> None:
     job = load_job(write_job_file(tmp_path, MINIMAL))
-    assert job.input.model_dump(exclude={"path"}) == SPEC_INPUT
-    assert job.output.model_dump(exclude={"path"}) == SPEC_OUTPUT
+    assert job.input.model_dump(exclude={"path"}) == DOCUMENTED_INPUT
+    assert job.output.model_dump(exclude={"path"}) == DOCUMENTED_OUTPUT
     assert_spec_defaults(job)
 
 
