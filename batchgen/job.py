@@ -140,23 +140,6 @@ class _Section(BaseModel):
 # --------------------------------------------------------------------------- the schema
 
 
-# Sampling keys a row may override (input.sampling_columns). Not logprobs (it decides the output
-# columns) nor structured (input.schema_column is the per-row constraint).
-ROW_SAMPLING_KEYS: tuple[str, ...] = (
-    "n",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "seed",
-)
 # Input keys an OpenAI batch file decides itself.
 OPENAI_BATCH_FIXED = (
     "prompt_column",
@@ -339,6 +322,15 @@ class SamplingConfig(_Section):
     seed: int = Field(default=0, ge=0)
     logprobs: bool = False
     structured: StructuredConfig | None = None
+
+
+# Sampling keys a row may override (input.sampling_columns): every key of ``sampling:`` but these.
+# Not logprobs (it decides the output columns) nor structured (input.schema_column is the per-row
+# constraint).
+JOB_ONLY_SAMPLING_KEYS = ("logprobs", "structured")
+ROW_SAMPLING_KEYS: tuple[str, ...] = tuple(
+    key for key in SamplingConfig.model_fields if key not in JOB_ONLY_SAMPLING_KEYS
+)
 
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")

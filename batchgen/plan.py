@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -299,23 +299,9 @@ def resolve_overlap(setting: str, device: torch.device) -> bool:
 
 
 def sampling_params(job: Job) -> SamplingParams:
-    s = job.sampling
-    return SamplingParams(
-        n=s.n,
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        seed=s.seed,
-        logprobs=s.logprobs,
-    )
+    """The engine's sampling parameters: every field of :class:`SamplingParams` taken from the
+    job's ``sampling:`` section of the same name (``structured`` is compiled apart)."""
+    return SamplingParams(**{f.name: getattr(job.sampling, f.name) for f in fields(SamplingParams)})
 
 
 def describe_engine(job: Job, info: ModelInfo, place: Placement) -> list[str]:

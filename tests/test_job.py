@@ -579,3 +579,22 @@ def test_fingerprint_records_json_layout(tmp_path: Path) -> None:
     assert sampling_fp({"json_layout": "compact"}, rows) == BEFORE_JSON_LAYOUT["schema_column"]
     # constraints that are not JSON keep their fingerprints
     assert sampling_fp({"regex": "[ab]+"}) == BEFORE_JSON_LAYOUT_REGEX
+
+
+def test_the_engine_sampling_params_mirror_the_sampling_section() -> None:
+    # plan.sampling_params copies every SamplingParams field from sampling: by name, so each must
+    # exist there with the same default; what only the job has is listed in JOB_ONLY_SAMPLING_KEYS
+    # or compiled apart (structured).
+    from dataclasses import fields
+
+    from batchgen.engine.request import SamplingParams
+    from batchgen.job import ROW_SAMPLING_KEYS, SamplingConfig
+
+    defaults = SamplingConfig()
+    engine = SamplingParams()
+    assert {f.name for f in fields(SamplingParams)} == set(SamplingConfig.model_fields) - {
+        "structured"
+    }
+    for f in fields(SamplingParams):
+        assert getattr(engine, f.name) == getattr(defaults, f.name), f.name
+    assert set(ROW_SAMPLING_KEYS) < {f.name for f in fields(SamplingParams)}

@@ -277,10 +277,7 @@ class Engine:
                 seqs.append(seq)
         # Rows with penalties or a grammar never have a token in flight (Scheduler: they wait
         # for it), so their history and grammar state are complete here.
-        needs_history = any(
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            for p in params
-        )
+        needs_history = any(p.needs_history for p in params)
         prompt_ids = [s.token_ids[: s.num_prompt_tokens] for s in seqs] if needs_history else None
         output_ids = [s.output_ids for s in seqs] if needs_history else None
         rows = SamplingBatch.from_rows(
