@@ -178,44 +178,47 @@ class Engine:
     def num_waiting_targets(self) -> int:
         return self.scheduler.num_waiting_targets
 
-    def step(self) -> list[SampleResult]:
-        """Schedule, run and sample one step on the engine's device (made current for Triton)."""
-        with device_guard(self.device):
-            return self._step()
-
     @torch.inference_mode()
-    def _step(self) -> list[SampleResult]:
-        results = self._overlapped_step()
-        if self.check_invariants:
-            self.scheduler.check()
-        return results
+    def step(self) -> list[SampleResult]:
+        """Schedule, run and sample one step on the engine's device (made current for Triton);
+        return the samples that finished.
 
-    def _overlapped_step(self) -> list[SampleResult]:
-        """Schedule and launch a step, then complete the step before it (overlap) or this one."""
-        prev, self._in_flight = self._in_flight, None
-        batch = self.scheduler.schedule()
-        if not batch:
-            # Everything schedulable waits for an in-flight token (or for blocks it holds).
-            assert prev is not None, "scheduler produced an empty batch while work remains"
-            return self._complete(prev)
-        if self.check_invariants:
-            self.scheduler.check(batch)
-        launched = self._launch(batch, prev)
-        self.scheduler.launched(batch)
-        launched.rows = {id(seq): row for row, seq in enumerate(batch.sampled)}
-        results: list[SampleResult] = []
-        if prev is not None:
-            self.stats.overlapped_steps += 1
-            results = self._complete(prev)  # waits for prev's tokens while this step runs
-        if self.config.overlap:
-            self._in_flight = launched
-        else:
-            results = self._complete(launched)
-        return results
+        Plain: launch this step, then complete it (read its tokens back). Overlapped
+        (``EngineSettings.overlap``): launch this step, then complete the step before it, whose
+        tokens were in flight while this one was scheduled and built; this one stays in flight.
+        """
+        with device_guard(self.device):
+            prev, self._in_flight = self._in_flight, None
+            batch = self.scheduler.schedule()
+            if not batch:
+                # Everything schedulable waits for an in-flight token (or for blocks it holds).
+                assert prev is not None, "scheduler produced an empty batch while work remains"
+                results = self._complete(prev)
+            elif not self.config.overlap:
+                results = self._complete(self._launch(batch, prev))
+            else:
+                launched = self._launch(batch, prev)
+                results = self._complete(prev) if prev is not None else []
+                self._in_flight = launched
+            if self.check_invariants:
+                self.scheduler.check()
+            return results
 
     def _launch(self, batch: Batch, prev: _Launched | None) -> _Launched:
-        """Queue ``batch``'s block copies, forward pass and draw; ``prev``: the step before it
-        when its tokens are still in flight (the fill source of this step's decodes)."""
+        """Queue ``batch``'s block copies, forward pass and draw, and tell the scheduler it is
+        launched; ``prev``: the step before it when its tokens are still in flight (the fill
+        source of this step's decodes)."""
+        if self.check_invariants:
+            self.scheduler.check(batch)
+        launched = self._run(batch, prev)
+        self.scheduler.launched(batch)
+        launched.rows = {id(seq): row for row, seq in enumerate(batch.sampled)}
+        if prev is not None:
+            self.stats.overlapped_steps += 1
+        return launched
+
+    def _run(self, batch: Batch, prev: _Launched | None) -> _Launched:
+        """The device work of ``_launch``: block copies, the forward pass and the draw."""
         if batch.copies:
             src, dst = zip(*batch.copies, strict=True)
             src_t, dst_t = self.staging.upload(torch.int64, [src, dst])
