@@ -1,0 +1,98 @@
+"""Scoring in the engine: prompt logprobs of given tokens (score-only requests and generate
+requests with prompt logprobs) and the top-K alternatives of sampled tokens, against
+transformers' log-softmax; the LM head projects only the scored positions, in chunks."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.engine.logprobs import peak_bytes, rows_per_chunk, token_logprobs
+from batchgen.engine.noise import rng_key
+from batchgen.engine.request import Request, SampleTarget, SamplingParams
+from tests.hf_reference import hf_logits
+from tests.test_engine import make_engine, random_prompts
+
+
+def _score(engine, prompts_and_starts):
+    for row, (prompt, start) in enumerate(prompts_and_starts):
+        target = SampleTarget(row, 0, rng_key(0, row, 0))
+        engine.add(Request(tuple(prompt), SamplingParams(), (target,), logprobs_from=start,
+                           score_only=True))  # fmt: skip
+    out = {}
+    while engine.has_work():
+        for res in engine.step():
+            out[res.target.row] = res
+    engine.scheduler.cache.evict(engine.pool.num_blocks)
+    assert engine.pool.num_free == engine.pool.num_blocks
+    return out
+
+
+def test_score_only_requests_equal_transformers_and_share_the_context(tiny_model):
+    model = tiny_model()
+    engine = make_engine(model)
+    (context,) = random_prompts([21], seed=3)
+    conts = random_prompts([4, 2, 6, 1], seed=4)
+    seqs = [context + c[1:] + [c[0] + 5] for c in conts]  # continuations of 4, 2, 6, 1 tokens
+    out = _score(engine, [(s, len(context)) for s in seqs])
+    ref = hf_logits(model, seqs)
+    for row, s in enumerate(seqs):
+        res = out[row]
+        assert res.token_ids == [] and res.num_prompt_tokens == len(s)
+        want = torch.log_softmax(ref[row], dim=-1)
+        expect = [want[p - 1, s[p]].item() for p in range(len(context), len(s))]
+        got = [lp for lp, top in res.prompt_logprobs]
+        assert len(got) == len(expect)
+        assert max(abs(a - b) for a, b in zip(got, expect, strict=True)) <= 1e-4
+    # the context is computed once: later rows reuse all of it but the last token
+    assert out[0].num_cached_tokens == 0
+    assert all(out[r].num_cached_tokens == len(context) - 1 for r in (1, 2, 3))
+
+
+def test_prompt_logprobs_of_generate_requests_with_top_k(tiny_model):
+    model = tiny_model()
+    engine = make_engine(model)
+    prompt = random_prompts([9], seed=5)[0]
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, top_logprobs=3,
+                            prompt_logprobs=2)  # fmt: skip
+    targets = (SampleTarget(0, 0, 1), SampleTarget(0, 1, 2))
+    engine.add(Request(tuple(prompt), params, targets, logprobs_from=1, prompt_top_k=2))
+    out = []
+    while engine.has_work():
+        out += engine.step()
+    assert len(out) == 2
+    res = out[0]
+    (ref,) = hf_logits(model, [prompt + res.token_ids])
+    want = torch.log_softmax(ref, dim=-1)
+    for p, (lp, top) in enumerate(res.prompt_logprobs, start=1):
+        assert abs(lp - want[p - 1, prompt[p]].item()) <= 1e-4
+        values, ids = want[p - 1].topk(2)
+        assert [t for t, _ in top] == ids.tolist()
+        assert max(abs(v - w) for (_, v), w in zip(top, values.tolist(), strict=True)) <= 1e-4
+    assert len(res.top_logprobs) == len(res.token_ids) == 3
+    for i, top in enumerate(res.top_logprobs):
+        values, ids = want[len(prompt) - 1 + i].topk(3)
+        assert [t for t, _ in top] == ids.tolist()
+        assert top[0][0] == res.token_ids[i]  # greedy: the top token is the drawn one
+        assert abs(top[0][1] - res.token_logprobs[i]) <= 1e-6
+
+
+def test_token_logprobs_projects_bounded_chunks():
+    torch.manual_seed(0)
+    vocab, hidden_size, positions = 5000, 8, 300
+    head = torch.randn(vocab, hidden_size)
+    seen: list[int] = []
+
+    def lm_head(h):
+        seen.append(h.shape[0])
+        return h @ head.T
+
+    hidden = torch.randn(positions, hidden_size)
+    targets = torch.randint(0, vocab, (positions,))
+    budget = 64 * vocab * 4  # 64 rows of logits per chunk
+    lps, tops = token_logprobs(lm_head, hidden, targets, vocab, top_k=2, chunk_bytes=budget)
+    assert max(seen) == rows_per_chunk(vocab, budget) == 64 and sum(seen) == positions
+    full = torch.log_softmax(hidden @ head.T, dim=-1)
+    assert torch.allclose(torch.tensor(lps), full.gather(1, targets[:, None])[:, 0], atol=1e-5)
+    assert [t for t, _ in tops[7]] == full[7].topk(2).indices.tolist()
+    # a 152k vocabulary: the stated peak stays near 2.5 x 32 MiB however long the prompt
+    assert peak_bytes(152_064) <= 81 * 2**20
