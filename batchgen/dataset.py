@@ -56,6 +56,9 @@ class InputRow:
     problem: str | None = None
     schema: Any = None
     sampling: Mapping[str, Any] | None = None
+    # score jobs: the row's continuations as read (a list from choices_column, a string from
+    # completion_column; None: null)
+    choices: Any = None
 
     def num_samples(self, default: int) -> int:
         """The row's ``n``: its override once checked (see :mod:`batchgen.prompts`), else the
@@ -239,7 +242,11 @@ class InputDataset:
             self.keep_fields: list[pa.Field] = []
             return
         self.batch = None
-        text = [c for c in (cfg.prompt_column, cfg.schema_column) if c is not None]
+        text = [
+            c
+            for c in (cfg.prompt_column, cfg.schema_column, cfg.completion_column)
+            if c is not None
+        ]
         self.readers: list[InputFile] = [
             open_input_file(p, f, text, src) for (p, f), src in zip(inputs, sources, strict=True)
         ]
@@ -311,6 +318,21 @@ class InputDataset:
                         f"input file {file}: column {cfg.schema_column!r} "
                         f"(input.schema_column) has type {t}, expected a string (JSON) or a struct"
                     )
+            if cfg.choices_column is not None:
+                t = self._column_type(file, schema, cfg.choices_column, "choices_column")
+                listed = pa.types.is_list(t) or pa.types.is_large_list(t)
+                if not (pa.types.is_null(t) or (listed and _is_string(t.value_type))):
+                    raise InputError(
+                        f"input file {file}: column {cfg.choices_column!r} "
+                        f"(input.choices_column) has type {t}, expected list<string>"
+                    )
+            if cfg.completion_column is not None:
+                t = self._column_type(file, schema, cfg.completion_column, "completion_column")
+                if not (_is_string(t) or pa.types.is_null(t)):
+                    raise InputError(
+                        f"input file {file}: column {cfg.completion_column!r} "
+                        f"(input.completion_column) has type {t}, expected string"
+                    )
             if cfg.id_column is not None:
                 t = self._column_type(file, schema, cfg.id_column, "id_column")
                 kind = _id_kind(t)
@@ -379,6 +401,8 @@ class InputDataset:
             cfg.prompt_column,
             cfg.messages_column,
             cfg.schema_column,
+            cfg.choices_column,
+            cfg.completion_column,
             *cfg.sampling_columns.values(),
             *cfg.keep_columns,
         ]
@@ -454,6 +478,7 @@ class InputDataset:
         prompts = values(cfg.prompt_column)
         messages = values(cfg.messages_column)
         schemas = values(cfg.schema_column)
+        choices = values(cfg.choices_column or cfg.completion_column)
         keep = {c: values(c) for c in cfg.keep_columns}
         sampling = {k: values(c) for k, c in cfg.sampling_columns.items()}
         for i in range(n):
@@ -469,6 +494,7 @@ class InputDataset:
                 problem=problems.get(i),
                 schema=schemas[i],
                 sampling=overrides or None,
+                choices=choices[i],
             )
 
 

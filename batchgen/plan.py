@@ -314,7 +314,9 @@ def sampling_params(job: Job) -> SamplingParams:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         seed=s.seed,
-        logprobs=s.logprobs,
+        logprobs=s.wants_logprobs,
+        top_logprobs=s.top_logprobs,
+        prompt_logprobs=s.prompt_logprobs,
     )
 
 
