@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 import click
 
 from batchgen.errors import BatchgenError, OutputFullError
-from batchgen.job import Job, apply_override, load_job, parse_job
+from batchgen.job import Job
+from batchgen.jobfile import apply_override, load_job, parse_job
 from batchgen.layout import LOGS_PREFIX
 from batchgen.signals import EXIT_INTERRUPTED, Interrupted, exit_at_once
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.engine.engine import EngineConfig
+from batchgen.engine.engine import EngineSettings
 from batchgen.engine.request import SamplingParams
 from batchgen.errors import JobError
 from batchgen.fingerprint import numerics
@@ -275,9 +275,9 @@ def max_model_len(job: Job, info: ModelInfo, num_blocks: int) -> int:
     return min(limit, num_blocks * job.engine.block_size)
 
 
-def engine_config(job: Job, place: Placement, num_blocks: int, length: int) -> EngineConfig:
+def engine_settings(job: Job, place: Placement, num_blocks: int, length: int) -> EngineSettings:
     eng = job.engine
-    return EngineConfig(
+    return EngineSettings(
         block_size=eng.block_size,
         num_blocks=num_blocks,
         max_num_seqs=eng.max_num_seqs,

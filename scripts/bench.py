@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchgen.job import parse_memory
+
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_VERSION = "0.32.0"
@@ -593,16 +595,6 @@ def run_batchgen(
         "kv_tokens": report["kv_blocks"] * report["kv_block_size"],
         "report": report,
     }
-
-
-def parse_memory(text: str) -> int:
-    """``"1GiB"``, ``"512MiB"``, ``"1000000"`` -> bytes."""
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    t = text.strip().upper()
-    for unit, factor in units.items():
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * factor)
-    return int(t)
 
 
 def kv_capacity(memory: int, bytes_per_token: int, block_size: int = 16) -> int:

@@ -137,7 +137,7 @@ def make_engine(model_dir: Path, device: Any, dtype: Any, num_blocks: int | None
     """A Triton-backend engine (as the runner builds it), KV sized as ``auto`` does on CUDA."""
     import torch
 
-    from batchgen.engine.engine import Engine, EngineConfig
+    from batchgen.engine.engine import Engine, EngineSettings
     from batchgen.model.attention import make_attention_backend
     from batchgen.model.loader import load_model
 
@@ -156,7 +156,7 @@ def make_engine(model_dir: Path, device: Any, dtype: Any, num_blocks: int | None
         num_blocks = budget // (info.kv_bytes_per_token(dtype) * 16)
         sizing = dict(activation_peak=peak, free=free, total=total, kv_budget=budget,
                       num_blocks=num_blocks)  # fmt: skip
-    config = EngineConfig(
+    config = EngineSettings(
         block_size=16,
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs,

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from batchgen.errors import JobError
 from batchgen.fingerprint import describe_fingerprint_mismatch, fingerprint
-from batchgen.job import Job, load_job, parse_memory
+from batchgen.job import Job, parse_memory
+from batchgen.jobfile import load_job
 from tests.jobkit import write_job_file
 
 MINIMAL = "model: models/tiny\ninput:\n  path: data/p.parquet\noutput:\n  path: out/run\n"

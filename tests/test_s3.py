@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from batchgen.errors import JobError
-from batchgen.job import load_job
+from batchgen.jobfile import load_job
 from batchgen.results import (
     COMMIT_STEPS,
     MANIFEST_NAME,

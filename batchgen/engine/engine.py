@@ -1,6 +1,6 @@
 """The engine loop: schedule -> run the model -> sample -> update -> finished samples.
 
-Overlapped steps (``EngineConfig.overlap``). Reading a step's sampled tokens back waits for the
+Overlapped steps (``EngineSettings.overlap``). Reading a step's sampled tokens back waits for the
 device; without overlap the device then idles while the host updates, schedules and builds the
 next step. With overlap each ``step()`` launches step N+1 *before* reading step N's tokens: the
 scheduler records step N as launched (its tokens in flight), schedules step N+1, whose decode
@@ -26,7 +26,7 @@ from batchgen.engine.grammar import apply_masks
 from batchgen.engine.logprobs import token_logprobs
 from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels
 from batchgen.engine.radix_cache import make_prefix_cache
-from batchgen.engine.request import Request, SampleResult, Sequence
+from batchgen.engine.request import Request, SampleResult, TokenSequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
 from batchgen.engine.staging import PendingReadback, Readback, Staging
@@ -36,7 +36,7 @@ from batchgen.model.config import ModelInfo
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineSettings:
     block_size: int
     num_blocks: int
     max_num_seqs: int
@@ -87,7 +87,7 @@ class Engine:
         self,
         model: torch.nn.Module,
         info: ModelInfo,
-        config: EngineConfig,
+        config: EngineSettings,
         *,
         device: torch.device,
         dtype: torch.dtype,
@@ -357,7 +357,7 @@ class Engine:
             self.stats.unused_slots += len(seq.block_table) * bs - (chunk.start + chunk.num_tokens)
 
     @staticmethod
-    def _result(seq: Sequence) -> SampleResult:
+    def _result(seq: TokenSequence) -> SampleResult:
         assert seq.forked and seq.finish_reason is not None
         return SampleResult(
             target=seq.targets[0],

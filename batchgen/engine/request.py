@@ -136,7 +136,7 @@ class SampleResult:
 
 
 @dataclass(eq=False)
-class Sequence:
+class TokenSequence:
     """The scheduler's mutable state of one token stream.
 
     Before its prompt is computed, one sequence stands for several targets of its request; when
@@ -172,8 +172,8 @@ class Sequence:
     # computed; the same list for every part and fork of the request (None: not scored).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
-    rest: Sequence | None = None  # the waiting rest of this sequence's targets, to be parked
-    waits_for: Sequence | None = None  # the admitted part whose prompt this sequence waits for
+    rest: TokenSequence | None = None  # the waiting rest of this sequence's targets, to be parked
+    waits_for: TokenSequence | None = None  # the admitted part whose prompt this sequence waits for
     decoded: DecodedText = field(default_factory=DecodedText)  # read only for stop strings
     text: str | None = None  # the output text cut before a matched stop string
     # The grammar state after the tokens so far (the request has a grammar); forked with the

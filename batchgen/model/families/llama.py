@@ -6,8 +6,8 @@ The differences between the four architectures are flags of ``ModelConfig``:
 - Qwen2: bias on the q/k/v projections (not on o_proj);
 - Qwen3: RMSNorm over each head of q and k (``q_norm``/``k_norm``) before RoPE;
 - Llama: optional ``attention_bias`` (q/k/v/o) and ``mlp_bias``;
-- Mistral: a sliding window, which we do not implement: the loader caps the usable context at the
-  window instead (within the window, windowed and full causal attention are the same).
+- Mistral: a sliding window, which we do not implement: the config parser caps the usable
+  context at the window instead (``max_model_len``, :mod:`batchgen.model.config`) (within the window, windowed and full causal attention are the same).
 
 Tokens are flat: a step is the concatenation of every sequence's new tokens, ``input_ids [T]``,
 ``positions [T]``; no batch dimension, no padding. q/k/v are fused into one projection, and gate/up
