@@ -261,6 +261,12 @@ class OutputConfig(_Section):
     commit_rows: int = Field(default=1000, ge=1)
     commit_seconds: Float = Field(default=5.0, gt=0)
 
+    @field_validator("reasoning", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare ``off`` as false."""
+        return "off" if value is False else value
+
 
 # The structured-output keys whose outputs are JSON (``json`` is ``json: true``).
 JSON_KEYS = ("json_schema", "json_schema_file", "json")

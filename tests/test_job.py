@@ -48,9 +48,12 @@ SPEC_INPUT = {
     "schema_column": None,
     "format": "auto",
     "sampling_columns": {},
+    "chat_template_kwargs": {},
+    "choices_column": None,
+    "completion_column": None,
     "window_rows": 10000,
 }
-SPEC_OUTPUT = {"commit_rows": 1000, "commit_seconds": 5.0}
+SPEC_OUTPUT = {"reasoning": "auto", "commit_rows": 1000, "commit_seconds": 5.0}
 SPEC_SAMPLING = {
     "n": 1,
     "max_tokens": 256,
@@ -66,6 +69,7 @@ SPEC_SAMPLING = {
     "ignore_eos": False,
     "seed": 0,
     "logprobs": False,
+    "prompt_logprobs": None,
     "structured": None,
 }
 SPEC_ENGINE = {
@@ -299,7 +303,7 @@ def test_missing_required_keys(tmp_path: Path, text: str, expected: str) -> None
         ({"modle": "m"}, "unknown key 'modle' (did you mean 'model'?)"),
         (
             {"zzz": 1},
-            "unknown key 'zzz' (valid keys: model, revision, input, output, sampling, engine, executor, storage)",
+            "unknown key 'zzz' (valid keys: task, model, revision, input, output, sampling, engine, executor, storage)",
         ),
     ],
 )
