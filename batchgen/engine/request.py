@@ -35,6 +35,17 @@ class SamplingParams:
     top_logprobs: int = 0  # with logprobs: the K most likely tokens per drawn token too
     prompt_logprobs: int | None = None  # K: each prompt token's logprob (after the first), top K
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether drawing a token reads the sample's tokens so far on the host: repetition,
+        presence and frequency penalties count them (the scheduler lets such rows wait for an
+        in-flight token; the sampler builds their token counts)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
 
 class Constraint(Protocol):
     """The grammar state of one sample (structured outputs; :mod:`batchgen.engine.grammar`).

@@ -236,10 +236,7 @@ class Scheduler:
         consume it before the next mask is made, and repetition/presence/frequency penalties
         count the tokens so far. Such rows wait for their token: with overlapped steps they run
         every other step. (Stop strings need no wait: a stop found late discards one token.)"""
-        p = seq.params
-        return seq.constraint is None and (
-            p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-        )
+        return seq.constraint is None and not seq.params.needs_history
 
     def _admit_next(
         self, seq: TokenSequence, free: int, budget: int, batch: Batch

@@ -13,7 +13,8 @@ One noun, the output folder, in four modules along its seams:
 
 The file primitives are in :mod:`batchgen.storage`, status in :mod:`batchgen.status`.
 
-Layout of an output folder (docs/job-file.md, "The output folder"; the names are :mod:`batchgen.layout`'s)::
+Layout of an output folder (docs/job-file.md, "The output folder"; the names are
+:mod:`batchgen.layout`'s)::
 
     part-00000.parquet              results; each holds whole input rows (all n samples of a row)
     part-00001.parquet
