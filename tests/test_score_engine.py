@@ -135,3 +135,25 @@ def test_prompt_logprobs_peak_memory_with_a_152k_vocabulary(tmp_path, tiny_model
     )  # fmt: skip
     growth = int(out.stdout.split()[-1])
     assert growth <= 256 * 2**20, f"{growth / 2**20:.0f} MiB"
+
+
+def test_score_only_requests_survive_preemption_and_overlapped_steps(tiny_model):
+    """Few KV blocks, generating requests beside the scored ones (rows are preempted and
+    recomputed) and overlapped steps: the same scores."""
+    model = tiny_model()
+    contexts = random_prompts([40, 36, 44, 38], seed=8)
+    conts = random_prompts([5, 7], seed=9)
+    seqs = [ctx + c for ctx in contexts for c in conts]
+    starts = [len(ctx) for ctx in contexts for _ in conts]
+    want = _score(make_engine(model), list(zip(seqs, starts, strict=True)))
+    engine = make_engine(model, num_blocks=14, max_num_batched_tokens=16, overlap=True)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
+    for i, prompt in enumerate(random_prompts([6, 7, 5], seed=3)):
+        engine.add(Request(tuple(prompt), params, (SampleTarget(100 + i, 0, 1),)))
+    got = _score(engine, list(zip(seqs, starts, strict=True)))
+    assert engine.scheduler.num_preemptions > 0
+    assert len(got) == len(seqs) + 3
+    for row in want:
+        a = [lp for lp, _ in want[row].prompt_logprobs]
+        b = [lp for lp, _ in got[row].prompt_logprobs]
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
