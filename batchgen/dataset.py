@@ -14,7 +14,7 @@ import glob
 import hashlib
 import json
 import os
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,24 @@ def _id_kind(t: pa.DataType) -> pa.DataType | None:
     return None
 
 
+def _is_string_list(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_string(t.value_type)
+
+
+# Input keys naming a column of a required type (null columns pass too): key, check, expected.
+_TYPED_COLUMNS: tuple[tuple[str, Callable[[pa.DataType], bool], str], ...] = (
+    ("prompt_column", _is_string, "string"),
+    ("messages_column", _is_messages_type, "list<struct<role: string, content: string>>"),
+    (
+        "schema_column",
+        lambda t: _is_string(t) or pa.types.is_struct(t),
+        "a string (JSON) or a struct",
+    ),
+    ("choices_column", _is_string_list, "list<string>"),
+    ("completion_column", _is_string, "string"),
+)
+
+
 class InputDataset:
     """The input of a job: files, checked columns, unique ids; rows streamed in windows.
 
@@ -296,42 +314,15 @@ class InputDataset:
         cfg = self.cfg
         id_type: pa.DataType = pa.int64()
         for n, (file, schema) in enumerate(zip(self.files, schemas, strict=True)):
-            if cfg.prompt_column is not None:
-                t = self._column_type(file, schema, cfg.prompt_column, "prompt_column")
-                if not (_is_string(t) or pa.types.is_null(t)):
+            for key, accepts, expected in _TYPED_COLUMNS:
+                column = getattr(cfg, key)
+                if column is None:
+                    continue
+                t = self._column_type(file, schema, column, key)
+                if not (accepts(t) or pa.types.is_null(t)):
                     raise InputError(
-                        f"input file {file}: column {cfg.prompt_column!r} (input.prompt_column) "
-                        f"has type {t}, expected string"
-                    )
-            if cfg.messages_column is not None:
-                t = self._column_type(file, schema, cfg.messages_column, "messages_column")
-                if not (_is_messages_type(t) or pa.types.is_null(t)):
-                    raise InputError(
-                        f"input file {file}: column {cfg.messages_column!r} "
-                        f"(input.messages_column) has type {t}, expected "
-                        "list<struct<role: string, content: string>>"
-                    )
-            if cfg.schema_column is not None:
-                t = self._column_type(file, schema, cfg.schema_column, "schema_column")
-                if not (_is_string(t) or pa.types.is_struct(t) or pa.types.is_null(t)):
-                    raise InputError(
-                        f"input file {file}: column {cfg.schema_column!r} "
-                        f"(input.schema_column) has type {t}, expected a string (JSON) or a struct"
-                    )
-            if cfg.choices_column is not None:
-                t = self._column_type(file, schema, cfg.choices_column, "choices_column")
-                listed = pa.types.is_list(t) or pa.types.is_large_list(t)
-                if not (pa.types.is_null(t) or (listed and _is_string(t.value_type))):
-                    raise InputError(
-                        f"input file {file}: column {cfg.choices_column!r} "
-                        f"(input.choices_column) has type {t}, expected list<string>"
-                    )
-            if cfg.completion_column is not None:
-                t = self._column_type(file, schema, cfg.completion_column, "completion_column")
-                if not (_is_string(t) or pa.types.is_null(t)):
-                    raise InputError(
-                        f"input file {file}: column {cfg.completion_column!r} "
-                        f"(input.completion_column) has type {t}, expected string"
+                        f"input file {file}: column {column!r} (input.{key}) has type {t}, "
+                        f"expected {expected}"
                     )
             if cfg.id_column is not None:
                 t = self._column_type(file, schema, cfg.id_column, "id_column")

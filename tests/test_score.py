@@ -161,3 +161,29 @@ def test_logprobs_true_and_zero_add_no_top_column(tmp_path, tiny_model, value):
     run_cli("run", job, "--quiet")
     names = ds.dataset(tmp_path / "out", format="parquet").schema.names
     assert "token_logprobs" in names and "top_logprobs" not in names
+
+
+def test_a_merge_across_the_boundary_and_a_bad_column_type(tmp_path, tiny_model):
+    model = tiny_model()
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt, choices = "the ca", ["t sat on", "t"]
+    n = len(tok(prompt)["input_ids"])
+    whole = [tok(prompt + c)["input_ids"] for c in choices]
+    assert whole[0][:n] != tok(prompt)["input_ids"]  # "ca" + "t" merge: the context differs
+    table = pa.table({"id": [0, 1], "prompt": [prompt, prompt], "choices": [choices[:1], choices]})
+    job = score_job(tmp_path, model, table)
+    run_cli("run", job, "--quiet")
+    rows = rows_of(tmp_path / "out")
+    ((want, count),) = reference_scores(model, prompt, choices[:1])
+    assert (
+        rows[0]["choice_num_tokens"] == [count]
+        and abs(rows[0]["choice_logprobs"][0] - want) <= 1e-4
+    )
+    if len(whole[1]) <= n:  # "t" merged whole into the prompt's last token: no token of its own
+        assert rows[1]["error"].startswith("choices[1] adds no token after the prompt's")
+    # a choices column that is not list<string>: exit 2, one line naming it
+    bad = pa.table({"id": [0], "prompt": ["x"], "choices": [3]})
+    job = score_job(tmp_path / "bad", model, bad)
+    assert "input.choices_column" in refusal(invoke("run", job)) and "list<string>" in refusal(
+        invoke("validate", job)
+    )
