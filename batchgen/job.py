@@ -219,6 +219,15 @@ class InputConfig(_Section):
             raise ValueError("keep_columns lists a column twice")
         if self.choices_column is not None and self.completion_column is not None:
             raise ValueError("set only one of choices_column and completion_column")
+        if (
+            self.chat_template_kwargs
+            and self.messages_column is None
+            and self.format != ("openai_batch")
+        ):
+            raise ValueError(
+                "chat_template_kwargs apply to chat messages (messages_column); prompt_column "
+                "prompts are tokenized as they are"
+            )
         unknown = [k for k in self.sampling_columns if k not in ROW_SAMPLING_KEYS]
         if unknown:
             raise ValueError(
