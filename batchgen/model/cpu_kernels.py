@@ -1,7 +1,9 @@
-"""CPU kernels in C (``cpu_kernels.c``): paged attention straight from the block-paged KV cache
-(per token for decodes, tiled for prefills and extends), attention over a shared prefix (cascade)
-merged into its rows' results, the K/V store, one-pass RMSNorm, RoPE and SwiGLU (each for fp32
-and for bf16 tensors), and the sampler's hashed noise and temperature-only draw (fp32).
+"""CPU kernels in C (``cpu_kernels.c``, which includes ``cpu_kernels_simd.h``,
+``cpu_kernels_attention.c`` and ``cpu_kernels_layers.c``): paged attention straight from the
+block-paged KV cache (per token for decodes, tiled for prefills and extends), attention over a
+shared prefix (cascade) merged into its rows' results, the K/V store, one-pass RMSNorm, RoPE and
+SwiGLU (each for fp32 and for bf16 tensors), and the sampler's hashed noise and temperature-only
+draw (fp32).
 
 int8 KV cache (``kv_cache_dtype: int8``): the store quantizes each (token, KV head) row with its
 own fp32 scale (``kernels.reference.quantize_kv_ref``'s rule, bit for bit) into int8 caches and
@@ -45,6 +47,13 @@ __all__ = ["CpuKernels", "build", "for_dtype", "load"]
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# the files of its one translation unit (cpu_kernels.c includes the others): all in the cache key
+_SOURCES = (
+    _SOURCE,
+    _SOURCE.with_name("cpu_kernels_simd.h"),
+    _SOURCE.with_name("cpu_kernels_attention.c"),
+    _SOURCE.with_name("cpu_kernels_layers.c"),
+)
 # -fopenmp: the library needs libgomp.so.1, which resolves to the copy torch has already loaded,
 # so the kernel's threads are torch's intra-op pool (see the C file)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
@@ -79,7 +88,7 @@ def _cpu_signature() -> str:
 
 def _compile(cc: str, flags: list[str] = _FLAGS) -> Path:
     """Build the shared library unless a matching one is cached; returns its path."""
-    source = _SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in _SOURCES)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         b"\0".join(
