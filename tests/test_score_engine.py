@@ -141,13 +141,13 @@ def test_score_only_requests_survive_preemption_and_overlapped_steps(tiny_model)
     """Few KV blocks, generating requests beside the scored ones (rows are preempted and
     recomputed) and overlapped steps: the same scores."""
     model = tiny_model()
-    contexts = random_prompts([40, 36, 44, 38], seed=8)
+    contexts = random_prompts([24, 20, 28, 22], seed=8)
     conts = random_prompts([5, 7], seed=9)
     seqs = [ctx + c for ctx in contexts for c in conts]
     starts = [len(ctx) for ctx in contexts for _ in conts]
     want = _score(make_engine(model), list(zip(seqs, starts, strict=True)))
-    engine = make_engine(model, num_blocks=14, max_num_batched_tokens=16, overlap=True)
-    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
+    engine = make_engine(model, num_blocks=12, max_num_batched_tokens=16, overlap=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
     for i, prompt in enumerate(random_prompts([6, 7, 5], seed=3)):
         engine.add(Request(tuple(prompt), params, (SampleTarget(100 + i, 0, 1),)))
     got = _score(engine, list(zip(seqs, starts, strict=True)))
