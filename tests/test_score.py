@@ -187,3 +187,19 @@ def test_a_merge_across_the_boundary_and_a_bad_column_type(tmp_path, tiny_model)
     assert "input.choices_column" in refusal(invoke("run", job)) and "list<string>" in refusal(
         invoke("validate", job)
     )
+
+
+def test_messages_are_scored_after_the_rendered_template(tmp_path, tiny_model):
+    model = tiny_model()
+    tok = AutoTokenizer.from_pretrained(model)
+    messages = [{"role": "user", "content": "pick one"}]
+    table = pa.table({"id": [0], "messages": [messages], "choices": [[" yes", " no"]]})
+    job = score_job(tmp_path, model, table, messages_column="messages", choices_column="choices")
+    run_cli("run", job, "--quiet")
+    (row,) = rows_of(tmp_path / "out").values()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    n = len(tok(text, add_special_tokens=False)["input_ids"])
+    seqs = [tok(text + c, add_special_tokens=False)["input_ids"] for c in (" yes", " no")]
+    for got, ids, logits in zip(row["choice_logprobs"], seqs, hf_logits(model, seqs), strict=True):
+        lp = torch.log_softmax(logits, dim=-1)
+        assert abs(got - math.fsum(lp[p - 1, ids[p]].item() for p in range(n, len(ids)))) <= 1e-4
