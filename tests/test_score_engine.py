@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from batchgen.engine.logprobs import rows_per_chunk, token_logprobs
+from batchgen.engine.logprobs import rows_per_chunk, token_logprobs, top_k_rows
 from batchgen.engine.noise import rng_key
 from batchgen.engine.request import Request, SampleTarget, SamplingParams
 from tests.hf_reference import hf_logits
@@ -99,7 +99,9 @@ def test_token_logprobs_projects_bounded_chunks():
     assert max(seen) == rows_per_chunk(vocab, budget) == 64 and sum(seen) == positions
     full = torch.log_softmax(hidden @ head.T, dim=-1)
     assert torch.allclose(torch.tensor(lps), full.gather(1, targets[:, None])[:, 0], atol=1e-5)
-    assert [t for t, _ in tops[7]] == full[7].topk(2).indices.tolist()
+    assert [[t for t, _ in top] for top in tops] == full.topk(2).indices.tolist()
+    values, ids = top_k_rows(full, 3, chunk_bytes=5 * 16 * vocab)  # 5 rows at a time
+    assert torch.equal(ids, full.topk(3).indices) and torch.equal(values, full.topk(3).values)
 
 
 PEAK_SCRIPT = """

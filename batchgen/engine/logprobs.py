@@ -65,17 +65,25 @@ def _collect(
     tops: list[list[tuple[int, float]]],
     chunk_bytes: int,
 ) -> None:
-    """Append the rows' logprobs of ``targets`` (and top K) to ``lps`` and ``tops``. ``topk``
-    on a CPU copies each row as (value, index) pairs (16 bytes a token): it runs on as many rows
-    at a time as ``chunk_bytes`` of pairs hold."""
+    """Append the rows' logprobs of ``targets`` (and top K) to ``lps`` and ``tops``."""
     full = torch.log_softmax(logits.float(), dim=-1)  # [R, V]; a row kernel
     lps.extend(full.gather(1, targets[:, None]).squeeze(1).tolist())
     if top_k <= 0:
         tops.extend([] for _ in range(targets.shape[0]))
         return
-    k = min(top_k, full.shape[-1])
+    values, ids = top_k_rows(full, top_k, chunk_bytes)
+    for id_row, value_row in zip(ids.tolist(), values.tolist(), strict=True):
+        tops.append(list(zip(id_row, value_row, strict=True)))
+
+
+def top_k_rows(full: Tensor, k: int, chunk_bytes: int | None = None) -> tuple[Tensor, Tensor]:
+    """``full.topk(k, dim=-1)`` (values, ids; ``k`` capped at the row width), on as many rows at
+    a time as ``chunk_bytes`` of (value, index) pairs hold: a CPU's ``topk`` copies each row as
+    pairs of 16 bytes a token (256 rows of a 152k vocabulary at once would be 620 MiB)."""
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    k = min(k, full.shape[-1])
     step = max(1, chunk_bytes // (16 * full.shape[-1]))
-    for start in range(0, full.shape[0], step):
-        values, ids = full[start : start + step].topk(k, dim=-1)
-        for id_row, value_row in zip(ids.tolist(), values.tolist(), strict=True):
-            tops.append(list(zip(id_row, value_row, strict=True)))
+    parts = [full[i : i + step].topk(k, dim=-1) for i in range(0, full.shape[0], step)]
+    if len(parts) == 1:
+        return parts[0].values, parts[0].indices
+    return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])

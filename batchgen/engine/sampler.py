@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from batchgen.engine.logprobs import top_k_rows
 from batchgen.engine.noise import (
     TORCH_FORMULA,
     SamplerKernels,
@@ -499,5 +500,5 @@ def sample(
     lp = full.gather(1, tokens[:, None]).squeeze(1)  # [S]
     if top_logprobs <= 0:
         return SampleOutput(tokens=tokens, logprobs=lp)
-    values, ids = full.topk(min(top_logprobs, full.shape[-1]), dim=-1)  # [S, K]
+    values, ids = top_k_rows(full, top_logprobs)  # [S, K]
     return SampleOutput(tokens=tokens, logprobs=lp, top_ids=ids, top_logprobs=values)
