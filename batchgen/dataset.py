@@ -14,7 +14,7 @@ import glob
 import hashlib
 import json
 import os
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,9 @@ class InputRow:
     problem: str | None = None
     schema: Any = None
     sampling: Mapping[str, Any] | None = None
+    # score jobs: the row's continuations as read (a list from choices_column, a string from
+    # completion_column; None: null)
+    choices: Any = None
 
     def num_samples(self, default: int) -> int:
         """The row's ``n``: its override once checked (see :mod:`batchgen.prompts`), else the
@@ -199,6 +202,24 @@ def _id_kind(t: pa.DataType) -> pa.DataType | None:
     return None
 
 
+def _is_string_list(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_string(t.value_type)
+
+
+# Input keys naming a column of a required type (null columns pass too): key, check, expected.
+_TYPED_COLUMNS: tuple[tuple[str, Callable[[pa.DataType], bool], str], ...] = (
+    ("prompt_column", _is_string, "string"),
+    ("messages_column", _is_messages_type, "list<struct<role: string, content: string>>"),
+    (
+        "schema_column",
+        lambda t: _is_string(t) or pa.types.is_struct(t),
+        "a string (JSON) or a struct",
+    ),
+    ("choices_column", _is_string_list, "list<string>"),
+    ("completion_column", _is_string, "string"),
+)
+
+
 class InputDataset:
     """The input of a job: files, checked columns, unique ids; rows streamed in windows.
 
@@ -239,7 +260,11 @@ class InputDataset:
             self.keep_fields: list[pa.Field] = []
             return
         self.batch = None
-        text = [c for c in (cfg.prompt_column, cfg.schema_column) if c is not None]
+        text = [
+            c
+            for c in (cfg.prompt_column, cfg.schema_column, cfg.completion_column)
+            if c is not None
+        ]
         self.readers: list[InputFile] = [
             open_input_file(p, f, text, src) for (p, f), src in zip(inputs, sources, strict=True)
         ]
@@ -289,27 +314,15 @@ class InputDataset:
         cfg = self.cfg
         id_type: pa.DataType = pa.int64()
         for n, (file, schema) in enumerate(zip(self.files, schemas, strict=True)):
-            if cfg.prompt_column is not None:
-                t = self._column_type(file, schema, cfg.prompt_column, "prompt_column")
-                if not (_is_string(t) or pa.types.is_null(t)):
+            for key, accepts, expected in _TYPED_COLUMNS:
+                column = getattr(cfg, key)
+                if column is None:
+                    continue
+                t = self._column_type(file, schema, column, key)
+                if not (accepts(t) or pa.types.is_null(t)):
                     raise InputError(
-                        f"input file {file}: column {cfg.prompt_column!r} (input.prompt_column) "
-                        f"has type {t}, expected string"
-                    )
-            if cfg.messages_column is not None:
-                t = self._column_type(file, schema, cfg.messages_column, "messages_column")
-                if not (_is_messages_type(t) or pa.types.is_null(t)):
-                    raise InputError(
-                        f"input file {file}: column {cfg.messages_column!r} "
-                        f"(input.messages_column) has type {t}, expected "
-                        "list<struct<role: string, content: string>>"
-                    )
-            if cfg.schema_column is not None:
-                t = self._column_type(file, schema, cfg.schema_column, "schema_column")
-                if not (_is_string(t) or pa.types.is_struct(t) or pa.types.is_null(t)):
-                    raise InputError(
-                        f"input file {file}: column {cfg.schema_column!r} "
-                        f"(input.schema_column) has type {t}, expected a string (JSON) or a struct"
+                        f"input file {file}: column {column!r} (input.{key}) has type {t}, "
+                        f"expected {expected}"
                     )
             if cfg.id_column is not None:
                 t = self._column_type(file, schema, cfg.id_column, "id_column")
@@ -379,6 +392,8 @@ class InputDataset:
             cfg.prompt_column,
             cfg.messages_column,
             cfg.schema_column,
+            cfg.choices_column,
+            cfg.completion_column,
             *cfg.sampling_columns.values(),
             *cfg.keep_columns,
         ]
@@ -454,6 +469,7 @@ class InputDataset:
         prompts = values(cfg.prompt_column)
         messages = values(cfg.messages_column)
         schemas = values(cfg.schema_column)
+        choices = values(cfg.choices_column or cfg.completion_column)
         keep = {c: values(c) for c in cfg.keep_columns}
         sampling = {k: values(c) for k, c in cfg.sampling_columns.items()}
         for i in range(n):
@@ -469,6 +485,7 @@ class InputDataset:
                 problem=problems.get(i),
                 schema=schemas[i],
                 sampling=overrides or None,
+                choices=choices[i],
             )
 
 

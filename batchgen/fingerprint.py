@@ -68,6 +68,12 @@ def fingerprint(
         columns["schema_column"] = job.input.schema_column
     if job.input.sampling_columns:  # the format of each file is in input_identity
         columns["sampling_columns"] = dict(sorted(job.input.sampling_columns.items()))
+    # keys added later are recorded only when set: older folders keep resuming
+    for key in ("choices_column", "completion_column"):
+        if getattr(job.input, key) is not None:
+            columns[key] = getattr(job.input, key)
+    if job.input.chat_template_kwargs:
+        columns["chat_template_kwargs"] = job.input.chat_template_kwargs
     fp = {
         "model": _digest(model_identity),
         "input": _digest({"identity": input_identity, "columns": columns}),
@@ -85,7 +91,15 @@ def _sampling(job: Job) -> dict[str, Any]:
     ``json_layout`` is recorded for jobs with JSON outputs (a JSON key or input.schema_column),
     except ``compact``: that was the only layout before the key existed, so folders written then
     resume with ``json_layout: compact`` and refuse the default (their rows are compact)."""
-    sampling = job.sampling.model_dump(mode="json", exclude={"structured"})
+    if job.task == "score":  # no sampling section: the task decides the results
+        return {"task": "score"}
+    sampling = job.sampling.model_dump(mode="json", exclude={"structured", "prompt_logprobs"})
+    if job.sampling.wants_logprobs and job.sampling.top_logprobs == 0:
+        sampling["logprobs"] = True  # logprobs: 0 means true
+    if job.sampling.prompt_logprobs is not None:
+        sampling["prompt_logprobs"] = job.sampling.prompt_logprobs
+    if job.output.reasoning != "auto":
+        sampling["reasoning"] = job.output.reasoning
     structured = job.sampling.structured
     spec: dict[str, Any] = {}
     if structured is not None:

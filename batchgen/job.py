@@ -179,6 +179,11 @@ class InputConfig(_Section):
     format: Literal["auto", "parquet", "jsonl", "csv", "arrow", "openai_batch"] = "auto"
     # sampling key -> input column whose non-null values override it per row
     sampling_columns: dict[str, Annotated[str, Field(min_length=1)]] = Field(default_factory=dict)
+    # passed to the chat template with messages_column, e.g. {enable_thinking: false}
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # score jobs (task: score): a list<string> of continuations per row, or one string
+    choices_column: str | None = Field(default=None, min_length=1)
+    completion_column: str | None = Field(default=None, min_length=1)
     window_rows: int = Field(default=10000, ge=1)
 
     @model_validator(mode="before")
@@ -212,6 +217,17 @@ class InputConfig(_Section):
             raise ValueError("set one of prompt_column and messages_column")
         if len(set(self.keep_columns)) != len(self.keep_columns):
             raise ValueError("keep_columns lists a column twice")
+        if self.choices_column is not None and self.completion_column is not None:
+            raise ValueError("set only one of choices_column and completion_column")
+        if (
+            self.chat_template_kwargs
+            and self.messages_column is None
+            and self.format != ("openai_batch")
+        ):
+            raise ValueError(
+                "chat_template_kwargs apply to chat messages (messages_column); prompt_column "
+                "prompts are tokenized as they are"
+            )
         unknown = [k for k in self.sampling_columns if k not in ROW_SAMPLING_KEYS]
         if unknown:
             raise ValueError(
@@ -231,8 +247,17 @@ class OutputConfig(_Section):
     """
 
     path: PathOrUri
+    # auto: the text between <think> and </think> goes to a `reasoning` column when the
+    # tokenizer has both tags; off: the text is left as generated
+    reasoning: Literal["auto", "off"] = "auto"
     commit_rows: int = Field(default=1000, ge=1)
     commit_seconds: Float = Field(default=5.0, gt=0)
+
+    @field_validator("reasoning", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare ``off`` as false."""
+        return "off" if value is False else value
 
 
 # The structured-output keys whose outputs are JSON (``json`` is ``json: true``).
@@ -304,6 +329,13 @@ class StructuredConfig(_Section):
         return self
 
 
+def _logprobs_value(value: Any) -> bool | int:
+    """``sampling.logprobs``: true, false, or a number K >= 0 of alternatives per token."""
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 0):
+        return value
+    raise ValueError("must be true, false or a number K >= 0 of top alternatives per token")
+
+
 class SamplingConfig(_Section):
     """``sampling:``: how tokens are drawn (all of it is in the fingerprint)."""
 
@@ -320,8 +352,21 @@ class SamplingConfig(_Section):
     stop_token_ids: IntList = ()
     ignore_eos: bool = False
     seed: int = Field(default=0, ge=0)
-    logprobs: bool = False
+    # true (= 0) or K: the drawn tokens' logprobs, and with K > 0 the top K alternatives
+    logprobs: Annotated[bool | int, PlainValidator(_logprobs_value)] = False
+    # K: the logprob (and top K) of every prompt token after the first
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     structured: StructuredConfig | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """``logprobs`` is true or a number (0 included)."""
+        return self.logprobs is not False
+
+    @property
+    def top_logprobs(self) -> int:
+        """K of ``logprobs: K`` (0 for true or false)."""
+        return 0 if isinstance(self.logprobs, bool) else self.logprobs
 
 
 # Sampling keys a row may override (input.sampling_columns): every key of ``sampling:`` but these.
@@ -436,6 +481,7 @@ class Job(_Section):
     (with ``revision``: a branch, tag or commit).
     """
 
+    task: Literal["generate", "score"] = "generate"
     model: PathValue
     revision: str | None = Field(default=None, min_length=1)
     input: InputConfig
@@ -460,6 +506,36 @@ class Job(_Section):
                 "sampling.structured.json_layout: there is no JSON output to lay out; set "
                 "json_schema, json_schema_file or json: true beside it, or input.schema_column"
             )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _score_takes_no_sampling(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("task") == "score" and "sampling" in data:
+            raise ValueError(
+                "sampling: a score job (task: score) samples nothing; remove the sampling section"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _task_columns(self) -> Job:
+        inp = self.input
+        given = inp.choices_column or inp.completion_column
+        if self.task == "generate":
+            if given is not None:
+                key = "choices_column" if inp.choices_column is not None else "completion_column"
+                raise ValueError(f"input.{key} applies to score jobs only (task: score)")
+            return self
+        if given is None:
+            raise ValueError(
+                "task: score needs input.choices_column (a list of continuations per row) or "
+                "input.completion_column (one continuation per row)"
+            )
+        if inp.format == "openai_batch":
+            raise ValueError("task: score does not read input.format openai_batch")
+        for key in ("schema_column", "sampling_columns"):
+            if getattr(inp, key):
+                raise ValueError(f"input.{key} does not apply to a score job (task: score)")
         return self
 
     @model_validator(mode="before")

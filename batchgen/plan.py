@@ -307,8 +307,11 @@ def resolve_overlap(setting: str, device: torch.device) -> bool:
 
 def sampling_params(job: Job) -> SamplingParams:
     """The engine's sampling parameters: every field of :class:`SamplingParams` taken from the
-    job's ``sampling:`` section of the same name (``structured`` is compiled apart)."""
-    return SamplingParams(**{f.name: getattr(job.sampling, f.name) for f in fields(SamplingParams)})
+    job's ``sampling:`` section of the same name (``structured`` is compiled apart);
+    ``logprobs: K`` (0 included) turns the logprobs on, ``top_logprobs`` is its K."""
+    values = {f.name: getattr(job.sampling, f.name) for f in fields(SamplingParams)}
+    values["logprobs"] = job.sampling.wants_logprobs
+    return SamplingParams(**values)
 
 
 def describe_engine(job: Job, info: ModelInfo, place: Placement) -> list[str]:

@@ -5,6 +5,14 @@ becomes ``n`` error rows and the job goes on. A row's sampling overrides
 (``input.sampling_columns``, an OpenAI batch line's body) are checked here too: a bad value is the
 row's problem, named by its column.
 
+Score jobs (``task: score``): each continuation is tokenized as evaluation harnesses do. With
+``L`` the number of tokens of the prompt alone, the sequence scored is ``tokenize(prompt +
+continuation)`` and the continuation's tokens are its tokens after the first ``L``. Where the
+tokenizer merges text across the boundary (the prompt's last token and the continuation's first
+characters become one token), that merged token counts as the continuation's and the context
+scored is the whole sequence's first ``L`` tokens (which then differ from the prompt's own); a
+continuation left with no tokens of its own is the row's problem.
+
 Prompt length against ``max_model_len`` is checked later, by the executor that knows its KV cache.
 """
 
@@ -22,6 +30,8 @@ from batchgen.errors import JobError, ModelError
 from batchgen.job import ROW_SAMPLING_KEYS, Job, SamplingConfig
 from batchgen.jobfile import pydantic_message
 from batchgen.model.config import ModelInfo
+from batchgen.reasoning import ReasoningSplit
+from batchgen.schema import OutputColumns
 from batchgen.structured import RowSchemaError, StructuredOutputs
 
 
@@ -37,6 +47,9 @@ class EncodedRow:
     tokens: Sequence[int] | None
     problem: str | None = None
     schema: str | None = None
+    # score jobs: per continuation, the whole sequence scored (see the module docstring); its
+    # tokens after the first len(tokens) are the continuation's
+    choices: tuple[tuple[int, ...], ...] | None = None
 
 
 class RowProblem(Exception):
@@ -115,10 +128,12 @@ class PromptEncoder:
             try:
                 if r.problem is not None:
                     raise RowProblem(r.problem)
+                text, special = r.prompt, True
                 if self.job.input.messages_column is not None:
-                    tokens = self._render_messages(r, column)
+                    text, tokens = self._render_messages(r, column)
+                    special = False
                 elif self.batch_file and r.messages is not None:
-                    tokens = self._render_messages(r, "body.messages")
+                    text, tokens = self._render_messages(r, "body.messages")
                 elif r.prompt is None:
                     raise RowProblem(f"{column} is null")
                 elif r.prompt == "":
@@ -129,6 +144,11 @@ class PromptEncoder:
                     tokens = list(self.tokenizer(r.prompt, add_special_tokens=True)["input_ids"])
                 if not tokens:
                     raise RowProblem("the prompt encodes to zero tokens")
+                if self.job.task == "score":
+                    assert text is not None
+                    choices = self._choices(r, text, len(tokens), special)
+                    out.append(EncodedRow(r, tokens, choices=choices))
+                    continue
                 out.append(EncodedRow(r, tokens, schema=self._schema(r)))
             except RowProblem as e:
                 out.append(EncodedRow(r, None, str(e)))
@@ -146,7 +166,37 @@ class PromptEncoder:
             column = self.job.input.schema_column
             raise RowProblem.of(f"{column}", err) from None
 
-    def _render_messages(self, row: InputRow, column: str) -> list[int]:
+    def _choices(
+        self, row: InputRow, prompt: str, num_prompt_tokens: int, special: bool
+    ) -> tuple[tuple[int, ...], ...]:
+        """The sequences a score row scores, one per continuation (see the module docstring)."""
+        cfg = self.job.input
+        column = cfg.choices_column or cfg.completion_column
+        value = row.choices
+        if value is None:
+            raise RowProblem(f"{column} is null")
+        items = [value] if cfg.completion_column is not None else list(value)
+        if not items:
+            raise RowProblem(f"{column} is empty (no continuation to score)")
+        for i, item in enumerate(items):
+            where = column if cfg.completion_column is not None else f"{column}[{i}]"
+            if item is None:
+                raise RowProblem(f"{where} is null")
+            if item == "":
+                raise RowProblem(f"{where} is empty")
+        whole = self.tokenizer([prompt + c for c in items], add_special_tokens=special)
+        out = []
+        for i, ids in enumerate(whole["input_ids"]):
+            if len(ids) <= num_prompt_tokens:
+                where = column if cfg.completion_column is not None else f"{column}[{i}]"
+                raise RowProblem(
+                    f"{where} adds no token after the prompt's {num_prompt_tokens} (the "
+                    "tokenizer merges it into the prompt's last token)"
+                )
+            out.append(tuple(ids))
+        return tuple(out)
+
+    def _render_messages(self, row: InputRow, column: str) -> tuple[str, list[int]]:
         messages = row.messages
         if messages is None:
             raise RowProblem(f"{column} is null")
@@ -164,11 +214,14 @@ class PromptEncoder:
                     raise RowProblem(f"{column}[{i}].{key} is not a string")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages,
+                tokenize=False,
+                add_generation_prompt=True,
+                **self.job.input.chat_template_kwargs,
             )
         except Exception as e:  # noqa: BLE001 - a template that rejects the row (raise_exception)
             raise RowProblem.of(f"the chat template cannot render {column}", e) from e
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 _INT_KEYS = ("n", "max_tokens", "top_k", "seed")
@@ -226,3 +279,18 @@ def check_job_against_model(job: Job, info: ModelInfo, tokenizer: Any) -> None:
             f"sampling.stop_token_ids: {', '.join(map(str, outside))} outside the vocabulary of "
             f"model {job.model} (vocab_size {info.vocab_size})"
         )
+
+
+def output_columns(job: Job, tokenizer: Any) -> OutputColumns:
+    """The optional columns of ``job``'s output (``tokenizer``: whether it has the reasoning
+    tags)."""
+    if job.task == "score":
+        return OutputColumns(score=True)
+    s = job.sampling
+    reasoning = ReasoningSplit.of(job.output.reasoning, tokenizer, str) is not None
+    return OutputColumns(
+        logprobs=s.wants_logprobs,
+        top_logprobs=s.top_logprobs > 0,
+        prompt_logprobs=s.prompt_logprobs is not None,
+        reasoning=reasoning,
+    )

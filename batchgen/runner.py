@@ -35,7 +35,7 @@ from batchgen.plan import (
     resolve_placement,
     sampling_params,
 )
-from batchgen.prompts import PromptEncoder, check_job_against_model
+from batchgen.prompts import PromptEncoder, check_job_against_model, output_columns
 from batchgen.results import OutputFolder, inspect_folder, read_manifest
 from batchgen.schema import RowGroup, Totals, error_rows, output_schema
 from batchgen.signals import GracefulStop, Interrupted
@@ -62,12 +62,19 @@ def validate(job: Job) -> str:
     output = (
         f"resumes: {state.rows_done} of {dataset.num_rows} rows done" if state.manifest else "new"
     )
+    continuations = (
+        f"input.choices_column {job.input.choices_column!r}"
+        if job.input.choices_column is not None
+        else f"input.completion_column {job.input.completion_column!r}"
+    )
     lines = [
         f"model:    {job.model} ({info.architecture}, {info.num_layers} layers, "
         f"{info.num_heads} heads / {info.num_kv_heads} KV heads, head_dim {info.head_dim})",
         f"input:    {dataset.num_rows} rows from {job.input.path}",
         (
-            f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
+            f"scores:   {dataset.num_rows} rows, a logprob per continuation ({continuations})"
+            if job.task == "score"
+            else f"samples:  {dataset.num_rows * job.sampling.n} (n={job.sampling.n}, "
             f"max_tokens={job.sampling.max_tokens})"
             if not _per_row_sampling(job)
             else f"samples:  n={job.sampling.n}, max_tokens={job.sampling.max_tokens}, "
@@ -187,7 +194,8 @@ class JobRun:
             self.batch_output.unlink(missing_ok=True)
         self.encoder = PromptEncoder(job, self.tokenizer, self.structured)
         self.params = sampling_params(job)
-        schema = output_schema(self.dataset.id_type, self.dataset.keep_fields, self.params.logprobs)
+        self.columns = output_columns(job, self.tokenizer)
+        schema = output_schema(self.dataset.id_type, self.dataset.keep_fields, self.columns)
         # Checked before any model is loaded: results with other columns cannot be resumed.
         self.folder.check_schema(schema)
         self.executor = _make_executor(job, self.tokenizer, self.structured)
@@ -334,7 +342,7 @@ class JobRun:
 
     def _error_rows(self, row: Any, problem: str) -> RowGroup:
         n = row.num_samples(self.params.n)
-        return error_rows(row.id, row.keep, problem, n, self.params.logprobs)
+        return error_rows(row.id, row.keep, problem, n, self.columns)
 
     def _add(self, group: RowGroup) -> None:
         """Buffer one finished input row for the next commit."""

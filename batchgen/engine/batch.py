@@ -23,6 +23,9 @@ class StepTensors:
     # sampled tokens. [F] int64 each; None when no token is in flight.
     fill_rows: torch.Tensor | None = None
     fill_src: torch.Tensor | None = None
+    # Row of ``input_ids`` holding each chunk's first new token, in the order of
+    # ``batch.chunks`` (host ints: prompt logprobs gather the rows they score).
+    first_rows: tuple[int, ...] = ()
 
     def fill_pending(self, prev_tokens: torch.Tensor) -> None:
         """Put the in-flight tokens in place, on the device: ``prev_tokens`` [S'] int64 are the
@@ -71,6 +74,7 @@ def build_step(
         cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
         tables.append(seq.block_table)
         last_row[i] = cu_seqlens[-1] - 1
+    first_rows = tuple(last_row[i] - c.num_tokens + 1 for i, c in enumerate(batch.chunks))
     logits_indices: list[int] = []
     for i, chunk in enumerate(batch.chunks):
         if chunk.samples:
@@ -81,7 +85,7 @@ def build_step(
     if staging is not None:
         return _staged(staging, input_ids, positions, padded, cu_seqlens, seq_lens,
                        logits_indices, layout, batch, block_size, max_blocks,
-                       fill_rows, fill_src)  # fmt: skip
+                       fill_rows, fill_src, first_rows)  # fmt: skip
     block_tables = torch.tensor(padded, dtype=torch.int32)  # [B, max_blocks]
     pos = torch.tensor(positions, dtype=torch.int64)  # [T]
     q_lens = torch.tensor([batch.chunks[i].num_tokens for i in layout], dtype=torch.int64)
@@ -111,6 +115,7 @@ def build_step(
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         fill_rows=fills[0],
         fill_src=fills[1],
+        first_rows=first_rows,
     )
 
 
@@ -128,6 +133,7 @@ def _staged(
     max_blocks: int,
     fill_rows: list[int],
     fill_src: list[int],
+    first_rows: tuple[int, ...],
 ) -> StepTensors:
     """``build_step`` through ``staging``: slots computed on the host, one int64 and one int32
     upload."""
@@ -159,4 +165,5 @@ def _staged(
         logits_indices=logits_t,
         fill_rows=fill_rows_t if fill_rows else None,
         fill_src=fill_src_t if fill_rows else None,
+        first_rows=first_rows,
     )

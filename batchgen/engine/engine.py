@@ -24,6 +24,7 @@ from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.device import device_guard
 from batchgen.engine.grammar import apply_masks
+from batchgen.engine.logprobs import token_logprobs
 from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import Request, SampleResult, TokenSequence
 from batchgen.engine.sampler import SamplingBatch, sample
@@ -73,6 +74,8 @@ class _Launched:
     tokens: torch.Tensor | None  # [S] int64 on the device (None: nothing sampled)
     readback: PendingReadback | None
     rows: dict[int, int] = field(default_factory=dict)  # id(seq) -> row of tokens (in flight)
+    # the top-K alternatives of each sampled row (ids [S, K], logprobs [S, K]); None: not asked
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Engine:
@@ -236,11 +239,46 @@ class Engine:
             scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta, **scales)
         self._account(batch)
+        self._prompt_logprobs(batch, step.first_rows, hidden)
         if not len(step.logits_indices):
             return _Launched(batch, None, None)
         logits = self.model.compute_logits(hidden[step.logits_indices])
-        tokens, logprobs = self._sample(batch, logits)
-        return _Launched(batch, tokens, self.readback.start(tokens, logprobs))
+        tokens, logprobs, top = self._sample(batch, logits)
+        return _Launched(batch, tokens, self.readback.start(tokens, logprobs), top=top)
+
+    def _prompt_logprobs(
+        self, batch: Batch, first_rows: tuple[int, ...], hidden: torch.Tensor
+    ) -> None:
+        """Fill the scored prompt tokens' logprobs of ``batch``'s chunks (requests with
+        ``logprobs_from``): the LM head runs on the hidden states before those tokens only, in
+        chunks of positions (:mod:`batchgen.engine.logprobs`). Waits for the device."""
+        rows: list[int] = []
+        targets: list[int] = []
+        slots: list[tuple[list, int, int]] = []  # (sequence's list, index, top K)
+        for chunk, first in zip(batch.chunks, first_rows, strict=True):
+            seq = chunk.seq
+            scored = seq.prompt_logprobs
+            if scored is None:
+                continue
+            start = seq.request.logprobs_from
+            assert start is not None
+            # position p's hidden state gives the logprob of token p + 1
+            lo = max(chunk.start, start - 1)
+            hi = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1)
+            for p in range(lo, hi):
+                rows.append(first + p - chunk.start)
+                targets.append(seq.token_ids[p + 1])
+                slots.append((scored, p + 1 - start, seq.request.prompt_top_k))
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        target_t = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
+        top_k = max(k for _, _, k in slots)
+        lps, tops = token_logprobs(
+            self.model.compute_logits, hidden[index], target_t, self.vocab_size, top_k
+        )
+        for (scored, i, k), lp, top in zip(slots, lps, tops, strict=True):
+            scored[i] = (lp, top[:k])
 
     def _complete(self, launched: _Launched) -> list[SampleResult]:
         """Read ``launched``'s tokens back and let the scheduler record them; the samples that
@@ -250,7 +288,11 @@ class Engine:
             tokens, logprobs = launched.readback.result()
             # Draw.logprob is read only for samples that asked for logprobs
             lps = logprobs if logprobs is not None else [0.0] * len(tokens)
-            draws = [Draw(t, lp) for t, lp in zip(tokens, lps, strict=True)]
+            tops: list = [None] * len(tokens)
+            if launched.top is not None:
+                ids, values = (t.tolist() for t in launched.top)
+                tops = [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+            draws = [Draw(t, lp, top) for t, lp, top in zip(tokens, lps, tops, strict=True)]
         discarded = self.scheduler.num_discarded_tokens
         finished = self.scheduler.complete(launched.batch, draws)
         discarded = self.scheduler.num_discarded_tokens - discarded
@@ -264,9 +306,11 @@ class Engine:
 
     def _sample(
         self, batch: Batch, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """Draw the step's tokens on the device: [S] int64 and their logprobs ([S] float32, or
-        None when no sample asks for them), rows in the order of ``batch.chunks``' targets."""
+        None when no sample asks for them), rows in the order of ``batch.chunks``' targets, and
+        the top-K alternatives (ids, logprobs [S, K]; K the largest a sample asks for) or
+        None."""
         params, keys, positions, seqs = [], [], [], []
         for chunk in batch.chunks:
             if not chunk.samples:
@@ -293,8 +337,14 @@ class Engine:
             apply_masks(logits, [s.constraint for s in seqs])
             self.stats.mask_seconds += time.perf_counter() - start
         want_logprobs = any(p.logprobs for p in params)
-        out = sample(logits, rows, logprobs=want_logprobs, kernels=self.sampler_kernels)
-        return out.tokens, out.logprobs
+        top_k = max((p.top_logprobs for p in params if p.logprobs), default=0)
+        out = sample(
+            logits, rows, logprobs=want_logprobs, kernels=self.sampler_kernels, top_logprobs=top_k
+        )
+        top = None
+        if out.top_ids is not None and out.top_logprobs is not None:
+            top = (out.top_ids, out.top_logprobs)
+        return out.tokens, out.logprobs, top
 
     def _account(self, batch: Batch) -> None:
         bs = self.config.block_size
@@ -315,6 +365,14 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
             token_logprobs=list(seq.token_logprobs) if seq.params.logprobs else None,
+            top_logprobs=(
+                list(seq.top_logprobs) if seq.params.logprobs and seq.params.top_logprobs else None
+            ),
+            prompt_logprobs=(
+                list(seq.prompt_logprobs)  # type: ignore[arg-type]
+                if seq.prompt_logprobs is not None
+                else None
+            ),
             text=seq.text,
             error=seq.constraint.error if seq.constraint is not None else None,
             constrained=seq.constraint is not None,

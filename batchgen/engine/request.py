@@ -32,6 +32,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int = 0
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: the K most likely tokens per drawn token too
+    prompt_logprobs: int | None = None  # K: each prompt token's logprob (after the first), top K
 
     @property
     def needs_history(self) -> bool:
@@ -100,6 +102,28 @@ class Request:
     params: SamplingParams
     targets: tuple[SampleTarget, ...]  # one per sample to draw; at least one
     grammar: ConstraintSource | None = None  # the structured output every sample must follow
+    # Prompt tokens from this index on (>= 1) get their logprob given the tokens before them
+    # (``SampleResult.prompt_logprobs``), with the top ``prompt_top_k`` alternatives. The prefix
+    # cache then serves at most the first ``logprobs_from - 1`` tokens: the hidden state before
+    # each scored token is computed.
+    logprobs_from: int | None = None
+    prompt_top_k: int = 0
+    # Score only: the request ends once its prompt is computed, nothing is sampled (its one
+    # target's result has no tokens and finish reason ``length``).
+    score_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.logprobs_from is not None and not 1 <= self.logprobs_from <= len(
+            self.prompt_token_ids
+        ):
+            raise ValueError(f"logprobs_from {self.logprobs_from} outside the prompt")
+        if self.score_only and (self.logprobs_from is None or len(self.targets) != 1):
+            raise ValueError("a score-only request scores its prompt, for one target")
+
+
+# One scored token: (its logprob, the top K alternatives as (token id, logprob), most likely
+# first; empty when K is 0).
+TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -112,6 +136,10 @@ class SampleResult:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose KV this sample reused instead of computing
     token_logprobs: list[float] | None = None  # set when params.logprobs
+    # with params.top_logprobs > 0: per output token, the top K (token id, logprob)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # with request.logprobs_from: one entry per prompt token from that index on
+    prompt_logprobs: list[TokenLogprob] | None = None
     text: str | None = None  # set by the engine when stop strings were matched (truncated text)
     error: str | None = None  # why, when finish_reason is ERROR
     constrained: bool = False  # the request had a grammar
@@ -150,6 +178,10 @@ class TokenSequence:
     num_cached_tokens: int | None = None  # fixed at first admission; see SampleResult
     num_blocks_in_cache: int = 0  # leading blocks already inserted into the radix cache
     token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # One slot per scored prompt token (request.logprobs_from on), filled as its chunk is
+    # computed; the same list for every part and fork of the request (None: not scored).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     rest: TokenSequence | None = None  # the waiting rest of this sequence's targets, to be parked
     waits_for: TokenSequence | None = None  # the admitted part whose prompt this sequence waits for

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from batchgen.engine.logprobs import top_k_rows
 from batchgen.engine.noise import (
     TORCH_FORMULA,
     SamplerKernels,
@@ -224,6 +225,10 @@ class SampleOutput:
     tokens: Tensor  # [S] int64
     logprobs: Tensor | None  # [S] float32: log_softmax of the raw logits (before penalties) at
     #                          the token; None when sample() was asked not to compute them
+    # with top_logprobs=K > 0: the K most likely tokens of the same distribution, most likely
+    # first (ties: lower id first is not promised; topk's order)
+    top_ids: Tensor | None = None  # [S, K] int64
+    top_logprobs: Tensor | None = None  # [S, K] float32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,6 +470,7 @@ def sample(
     batch: SamplingBatch,
     logprobs: bool = True,
     kernels: SamplerKernels = TORCH_FORMULA,
+    top_logprobs: int = 0,
 ) -> SampleOutput:
     """Draw one token per row.
 
@@ -474,6 +480,7 @@ def sample(
     ``p >= min_p * p_max``), then the exponential race ``argmax p / E`` with ``E`` hashed from
     (rng_key, position, vocab id). ``logprobs`` are those of the raw logits (vLLM's default);
     ``logprobs=False`` skips them (a pass over [S, V]) and leaves ``SampleOutput.logprobs`` None.
+    ``top_logprobs=K`` (with ``logprobs``) adds the K most likely tokens of that distribution.
     ``kernels``: native versions of the noise and the plain draw (default: the PyTorch formula).
     """
     raw = logits.float()  # [S, V]
@@ -489,5 +496,9 @@ def sample(
     # logsumexp; the [S, V] intermediate costs one pass.
     if not logprobs:
         return SampleOutput(tokens=tokens, logprobs=None)
-    lp = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [S]
-    return SampleOutput(tokens=tokens, logprobs=lp)
+    full = torch.log_softmax(raw, dim=-1)  # [S, V]
+    lp = full.gather(1, tokens[:, None]).squeeze(1)  # [S]
+    if top_logprobs <= 0:
+        return SampleOutput(tokens=tokens, logprobs=lp)
+    values, ids = top_k_rows(full, top_logprobs)  # [S, K]
+    return SampleOutput(tokens=tokens, logprobs=lp, top_ids=ids, top_logprobs=values)

@@ -63,12 +63,13 @@ class Chunk:
     num_tokens: int
     # Whether this chunk reaches the end of the sequence (known and in-flight tokens) when it is
     # made, so its last token's logits are sampled (once per target of the sequence). Fixed
-    # then: the sequence grows once the step is launched.
+    # then: the sequence grows once the step is launched. Never for a score-only request.
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
         end = self.start + self.num_tokens
-        object.__setattr__(self, "samples", end == self.seq.num_tokens)
+        samples = end == self.seq.num_tokens and not self.seq.request.score_only
+        object.__setattr__(self, "samples", samples)
 
 
 @dataclass
@@ -115,6 +116,8 @@ class Draw:
 
     token: int
     logprob: float  # set only for samples whose params ask for logprobs (else 0.0)
+    # the top K (token id, logprob), K the most any row of the step asks for (None: none asks)
+    top: list[tuple[int, float]] | None = None
 
 
 class Scheduler:
@@ -140,6 +143,8 @@ class Scheduler:
         # Sequences whose in-flight token finishes them for sure: out of ``running``, no blocks;
         # ``complete`` gives them their last token. id -> sequence.
         self._retired: dict[int, TokenSequence] = {}
+        # Score-only sequences whose prompt was computed (launched): ``complete`` hands them back.
+        self._scored: list[TokenSequence] = []
         self.num_evicted_blocks = 0
         self.peak_blocks_used = 0
         self.peak_num_seqs = 0  # the most sequences sampled in one step
@@ -149,8 +154,12 @@ class Scheduler:
     # -- queue -----------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        scored = None
+        if request.logprobs_from is not None:
+            scored = [None] * (len(request.prompt_token_ids) - request.logprobs_from)
         self.waiting.append(
             TokenSequence(
+                prompt_logprobs=scored,
                 request=request,
                 targets=request.targets,
                 token_ids=list(request.prompt_token_ids),
@@ -161,7 +170,7 @@ class Scheduler:
         )
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._retired)
+        return bool(self.waiting or self.running or self._retired or self._scored)
 
     @property
     def num_waiting_targets(self) -> int:
@@ -283,6 +292,7 @@ class Scheduler:
             block_table=list(seq.block_table),
             num_cached_tokens=num_cached_tokens,
             num_blocks_in_cache=seq.num_blocks_in_cache,
+            prompt_logprobs=seq.prompt_logprobs,
             constraint=seq.constraint.fork() if seq.constraint is not None else None,
         )
         if seq.num_computed:
@@ -326,8 +336,12 @@ class Scheduler:
     def _admit(self, seq: TokenSequence, budget: int, batch: Batch) -> bool:
         """Give ``seq`` its cached prefix and blocks for a first chunk; False if it must wait."""
         bs = self.config.block_size
-        # Leave at least one token to compute: the last prompt token's logits are needed.
-        match = self.cache.match(seq.token_ids, max_blocks=(len(seq.token_ids) - 1) // bs)
+        # Leave at least one token to compute: the last prompt token's logits are needed; with
+        # prompt logprobs, the hidden state before each scored token too.
+        limit = len(seq.token_ids) - 1
+        if seq.request.logprobs_from is not None:
+            limit = min(limit, seq.request.logprobs_from - 1)
+        match = self.cache.match(seq.token_ids, max_blocks=limit // bs)
         cached = len(match.blocks) * bs
         if self._shares_uncached_prefix(seq, cached, batch):
             # A sequence computed in this very step shares at least one more block with this one:
@@ -340,9 +354,7 @@ class Scheduler:
         # The prompt may go on to share the head of a further cached block: copy that block and
         # compute from the first differing token. Holding the copy's source can keep eviction
         # from freeing the block that would make room, so without room retry without it.
-        partial = self.cache.match_partial(
-            match.handle, seq.token_ids, len(seq.token_ids) - 1 - cached
-        )
+        partial = self.cache.match_partial(match.handle, seq.token_ids, limit - cached)
         for source, shared in [partial, (None, 0)] if partial else [(None, 0)]:
             start = cached + shared
             n = min(len(seq.token_ids) - start, budget)
@@ -452,6 +464,11 @@ class Scheduler:
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
             self._cache_full_blocks(seq)
+            if seq.request.score_only and seq.num_computed == seq.num_prompt_tokens:
+                seq.finish_reason = FinishReason.LENGTH
+                self.running.remove(seq)
+                self._release(seq)
+                self._scored.append(seq)
             if not chunk.samples:
                 continue
             if seq.rest is not None:
@@ -476,8 +493,8 @@ class Scheduler:
     def complete(self, batch: Batch, draws: list[Draw]) -> list[TokenSequence]:
         """Record the tokens of launched ``batch`` (one Draw per ``batch.sampled`` row); return
         the sequences that finished. A row whose sequence finished before (its previous token
-        was its last) is discarded."""
-        finished: list[TokenSequence] = []
+        was its last) is discarded. Score-only sequences launched so far finish here too."""
+        finished, self._scored = self._scored, []
         for seq, draw in zip(batch.sampled, draws, strict=True):
             if seq.finish_reason is not None:
                 self.num_discarded_tokens += 1
@@ -488,6 +505,8 @@ class Scheduler:
                 seq.constraint.consume(draw.token)
             if seq.params.logprobs:
                 seq.token_logprobs.append(draw.logprob)
+                if seq.params.top_logprobs:
+                    seq.top_logprobs.append((draw.top or [])[: seq.params.top_logprobs])
             reason = self._finish_reason(seq, draw.token)
             if reason is not None:
                 self.finish(seq, reason)

@@ -11,8 +11,9 @@ keyed by id, so the order is invisible to users.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.dataset import InputRow
@@ -38,8 +39,15 @@ from batchgen.plan import (
     plan_num_blocks,
     sampling_params,
 )
-from batchgen.prompts import EncodedRow, row_params
-from batchgen.schema import RowGroup, error_rows, sample_row
+from batchgen.prompts import EncodedRow, output_columns, row_params
+from batchgen.reasoning import ReasoningSplit
+from batchgen.schema import (
+    RowGroup,
+    error_rows,
+    prompt_logprob_entries,
+    sample_row,
+    score_row,
+)
 from batchgen.structured import CompiledGrammar, RowSchemaError, StructuredOutputs
 
 
@@ -51,6 +59,7 @@ class PendingRow:
     num_prompt_tokens: int
     samples: list[SampleResult | None]
     params: SamplingParams  # the row's (the job's, with the row's overrides)
+    prompt: tuple[int, ...] = field(default=(), repr=False)  # its tokens
 
 
 class RowGenerator:
@@ -80,6 +89,9 @@ class RowGenerator:
         self.structured = (
             structured if structured is not None else StructuredOutputs(job, info, tokenizer)
         )
+        self.columns = output_columns(job, tokenizer)
+        self.reasoning = ReasoningSplit.of(job.output.reasoning, tokenizer, self._decode)
+        self.score = job.task == "score"
         self.pending: dict[int, PendingRow] = {}
         self.next_handle = 0
         self.backends = plan_backends(place)
@@ -134,6 +146,8 @@ class RowGenerator:
         """Queue rows: the rest become requests in depth-first trie order, identical prompts
         (with the same constraint and the same sampling parameters) folded into one request.
         Returns the error groups of rows that cannot run."""
+        if self.score:
+            return self._feed_scores(encoded)
         errors: list[RowGroup] = []
         groups: dict[tuple[tuple[int, ...], str, SamplingParams], list[SampleTarget]] = {}
         grammars: dict[str, CompiledGrammar | None] = {}
@@ -155,14 +169,58 @@ class RowGenerator:
                     errors.append(self._error_rows(row, str(err)))
                     continue
             params = row_params(self.params, row)
-            self.pending[handle] = PendingRow(row, len(tokens), [None] * params.n, params)
+            keep_prompt = params.prompt_logprobs is not None or self.reasoning is not None
+            prompt = tuple(tokens) if keep_prompt else ()
+            self.pending[handle] = PendingRow(row, len(tokens), [None] * params.n, params, prompt)
             targets = groups.setdefault((tuple(tokens), key, params), [])
             for k in range(params.n):
                 targets.append(SampleTarget(handle, k, rng_key(params.seed, row.id, k)))
         # Trie order of the prompts; the parameters' text only orders equal prompts.
         for tokens, key, params in sorted(groups, key=lambda g: (g[0], g[1], repr(g[2]))):
             targets = tuple(groups[tokens, key, params])
-            self.engine.add(Request(tokens, params, targets, grammar=grammars[key]))
+            scored = params.prompt_logprobs is not None
+            self.engine.add(
+                Request(
+                    tokens,
+                    params,
+                    targets,
+                    grammar=grammars[key],
+                    logprobs_from=1 if scored else None,
+                    prompt_top_k=params.prompt_logprobs or 0,
+                )
+            )
+        return errors
+
+    def _feed_scores(self, encoded: Sequence[EncodedRow]) -> list[RowGroup]:
+        """Score rows: one score-only request per continuation (its sample_index is the
+        continuation's index), in trie order over the window, so the continuations of a context
+        run while it is in the radix cache and each context is computed once."""
+        errors: list[RowGroup] = []
+        requests: list[tuple[tuple[int, ...], int, int, int]] = []
+        for item in encoded:
+            row, tokens, choices = item.row, item.tokens, item.choices
+            handle = self.next_handle
+            self.next_handle += 1
+            if tokens is None or choices is None:
+                errors.append(self._error_rows(row, item.problem or "unknown error"))
+                continue
+            longest = max(len(c) for c in choices)
+            if longest > self.max_model_len:
+                errors.append(
+                    self._error_rows(
+                        row,
+                        f"prompt and continuation have {longest} tokens; max_model_len is "
+                        f"{self.max_model_len}",
+                    )
+                )
+                continue
+            self.pending[handle] = PendingRow(row, len(tokens), [None] * len(choices), self.params)
+            requests += [(c, len(tokens), handle, i) for i, c in enumerate(choices)]
+        for whole, start, handle, i in sorted(requests):
+            target = SampleTarget(handle, i, 0)
+            self.engine.add(
+                Request(whole, self.params, (target,), logprobs_from=start, score_only=True)
+            )
         return errors
 
     def step(self) -> list[RowGroup]:
@@ -186,25 +244,57 @@ class RowGenerator:
 
     def _error_rows(self, row: InputRow, problem: str) -> RowGroup:
         n = row.num_samples(self.params.n)
-        return error_rows(row.id, row.keep, problem, n, self.params.logprobs)
+        return error_rows(row.id, row.keep, problem, n, self.columns)
+
+    def _scored(self, pending: PendingRow) -> RowGroup:
+        """The output row of a score row whose every continuation was scored."""
+        results = [res for res in pending.samples if res is not None]
+        lps = [[lp for lp, _ in res.prompt_logprobs or []] for res in results]
+        return score_row(
+            pending.row.id,
+            pending.row.keep,
+            choice_logprobs=[math.fsum(x) for x in lps],
+            choice_num_tokens=[len(x) for x in lps],
+            num_prompt_tokens=sum(res.num_prompt_tokens for res in results),
+            num_cached_tokens=sum(res.num_cached_tokens for res in results),
+        )
+
+    def _text_and_reasoning(
+        self, res: SampleResult, params: SamplingParams, prompt: tuple[int, ...]
+    ) -> tuple[str, str | None]:
+        if self.reasoning is None:
+            return self._text(res, params), None
+        ids = res.token_ids
+        if res.finish_reason == FinishReason.STOP and ids and ids[-1] in params.stop_token_ids:
+            ids = ids[:-1]
+        return self.reasoning.split(prompt, ids, res.text)
 
     def _group(self, pending: PendingRow) -> RowGroup:
+        if self.score:
+            return self._scored(pending)
         rows = []
         for res in pending.samples:
             assert res is not None
+            text, reasoning = self._text_and_reasoning(res, pending.params, pending.prompt)
+            prompt_lps = None
+            if res.prompt_logprobs is not None:
+                prompt_lps = prompt_logprob_entries(pending.prompt, res.prompt_logprobs)
             rows.append(
                 sample_row(
                     pending.row.id,
                     res.target.sample_index,
                     pending.row.keep,
-                    text=self._text(res, pending.params),
+                    text=text,
                     token_ids=res.token_ids,
                     finish_reason=res.finish_reason.value,
                     num_prompt_tokens=res.num_prompt_tokens,
                     num_cached_tokens=res.num_cached_tokens,
                     token_logprobs=res.token_logprobs,
-                    logprobs=self.params.logprobs,
+                    logprobs=self.columns,
                     error=res.error,
+                    top_logprobs=res.top_logprobs,
+                    prompt_logprobs=prompt_lps,
+                    reasoning=reasoning,
                 )
             )
         return rows

@@ -262,7 +262,9 @@ class RayExecutor:
     def submit(self, rows: Sequence[EncodedRow]) -> None:
         # Tokens travel as compact arrays through Ray's object store.
         runnable = [
-            EncodedRow(r.row, array.array("i", r.tokens), schema=r.schema) for r in rows if r.tokens
+            EncodedRow(r.row, array.array("i", r.tokens), schema=r.schema, choices=r.choices)
+            for r in rows
+            if r.tokens
         ]
         if not runnable:
             return
