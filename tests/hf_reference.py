@@ -52,6 +52,25 @@ MOE_ARCHS: dict[str, dict] = {
     ),
 }
 
+# Sliding-window arch -> tiny_model kwargs (arch included; 2 layers, hidden 64, windows of 16
+# tokens): Mistral with every layer windowed (GQA 4:2), Qwen2 with layer 0 sliding and layer 1
+# full (MHA 4:4)
+WINDOW_ARCHS: dict[str, dict] = {
+    "mistral_window": dict(
+        arch="mistral", num_heads=4, num_kv_heads=2, config_overrides=dict(sliding_window=16)
+    ),
+    "qwen2_window": dict(
+        arch="qwen2",
+        num_heads=4,
+        num_kv_heads=4,
+        config_overrides=dict(
+            use_sliding_window=True,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+}
+
 
 def hf_model(model: str | Path, dtype: torch.dtype = torch.float32):
     """transformers' model of a model folder, or of a ``.gguf`` file (read by transformers' own

@@ -26,7 +26,7 @@ from batchgen.model.loader import (
     load_tokenizer,
     model_identity,
 )
-from batchgen.model.registry import read_model_info
+from batchgen.model.registry import read_model_config, read_model_info
 from batchgen.tiny_model import (
     END_OF_TURN_ID,
     EOS_ID,
@@ -515,14 +515,15 @@ def test_model_info_and_identity(model_dirs: dict[str, Path], tmp_path: Path) ->
     assert info.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 24 * 4
     assert info.kv_bytes_per_token(torch.bfloat16) == 2 * 2 * 2 * 24 * 2
 
-    # a Mistral sliding window below max_position_embeddings caps the usable length
+    # a Mistral sliding window below max_position_embeddings no longer caps the usable length
     copy = shutil.copytree(model_dirs["mistral"], tmp_path / "mistral")
     cfg = json.loads((copy / "config.json").read_text())
     ident = model_identity(copy)
     assert ident == model_identity(model_dirs["mistral"])  # content, not path
     cfg["sliding_window"] = 128
     (copy / "config.json").write_text(json.dumps(cfg))
-    assert read_model_info(copy).max_model_len == 128
+    assert read_model_info(copy).max_model_len == 512
+    assert read_model_config(copy)[0].windows == (128, 128)
     assert model_identity(copy) != ident
 
 

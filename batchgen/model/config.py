@@ -30,7 +30,8 @@ __all__ = [
     "is_gguf",
     "model_info",
     "parse_base",
-    "qwen_sliding_window",
+    "layer_windows",
+    "qwen_windows",
     "raw_config",
 ]
 
@@ -102,6 +103,13 @@ class ModelConfig:
     qk_norm: bool
     rope: RopeConfig
     moe: MoeConfig | None = None  # None: a dense model
+    # per layer: the attention window W (the layer's query at position p sees keys p-W+1..p),
+    # 0 for full causal attention; empty: every layer full
+    windows: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window, None for full causal attention."""
+        return (self.windows[layer] or None) if self.windows else None
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,7 @@ class ModelInfo:
     head_dim: int
     hidden_size: int
     vocab_size: int
-    max_model_len: int  # max_position_embeddings, capped by a sliding window
+    max_model_len: int  # max_position_embeddings
     eos_token_ids: tuple[int, ...]
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -235,13 +243,28 @@ def _opt_floats(value: Any) -> tuple[float, ...] | None:
     return None if value is None else tuple(float(v) for v in value)
 
 
-def qwen_sliding_window(raw: dict[str, Any]) -> int | None:
-    """The attention window of a Qwen-style config (``use_sliding_window`` or any
-    ``sliding_attention`` layer type, with ``sliding_window``), else None."""
+def layer_windows(layer_types: list[str], window: int | None) -> tuple[int, ...]:
+    """Per-layer windows (see ``ModelConfig.windows``) from HF ``layer_types``: ``window`` for
+    each ``sliding_attention`` layer, 0 for the others; () when no layer is windowed."""
+    windows = tuple(window if t == "sliding_attention" and window else 0 for t in layer_types)
+    return windows if any(windows) else ()
+
+
+def qwen_windows(raw: dict[str, Any]) -> tuple[int, ...]:
+    """The per-layer windows of a Qwen-style config: with ``use_sliding_window`` (or any
+    ``sliding_attention`` layer type) and ``sliding_window``, the layers ``layer_types`` calls
+    sliding, or, without layer types, those from ``max_window_layers`` on (HF's rule)."""
     window = raw.get("sliding_window")
-    layer_types = raw.get("layer_types") or []
-    uses = bool(raw.get("use_sliding_window")) or "sliding_attention" in layer_types
-    return window if uses and window else None
+    layer_types = raw.get("layer_types")
+    if not window or not (
+        raw.get("use_sliding_window") or "sliding_attention" in (layer_types or [])
+    ):
+        return ()
+    if layer_types is None:
+        first = raw.get("max_window_layers", 28)
+        count = raw.get("num_hidden_layers", 0)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(count)]
+    return layer_windows(layer_types, window)
 
 
 def raw_config(model_dir: str | Path) -> tuple[dict[str, Any], tuple[int, ...], Path]:
@@ -284,14 +307,15 @@ def parse_base(
     path: Path,
     *,
     max_position_embeddings: int,
-    window: int | None,
+    window: int | tuple[int, ...] | None,
     rope_theta: float = 10000.0,
     rms_norm_eps: float = 1e-6,
 ) -> ModelConfig:
     """The checks and fields every architecture shares, from a config.json object: sizes,
     heads, head_dim, activation (silu), length, RoPE. ``max_position_embeddings``,
     ``rope_theta`` and ``rms_norm_eps`` are the architecture's defaults for configs that leave them out; ``window``
-    is the attention window the architecture reads from the config (None: no window). Biases,
+    is the attention window the architecture reads from the config: one for every layer, or
+    per layer (0: full attention), or None (no window). Biases,
     q/k norms and experts are off: the architecture's parser turns them on
     (``dataclasses.replace``)."""
     arch = architecture_name(raw, path)
@@ -319,9 +343,15 @@ def parse_base(
         raise ModelError(
             f"invalid config.json {path}: max_position_embeddings must be a positive integer"
         )
-    # Sliding-window attention is not implemented: the usable length is capped at the window,
-    # where windowed and full causal attention are identical.
-    max_model_len = min(max_pos, window) if isinstance(window, int) and window > 0 else max_pos
+    windows = (window,) * num_layers if isinstance(window, int) else tuple(window or ())
+    if windows and (
+        len(windows) != num_layers
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows)
+    ):
+        raise ModelError(
+            f"invalid config.json {path}: sliding windows {window!r} for {num_layers} layers"
+        )
+    windows = windows if any(windows) else ()
     rope = _parse_rope(raw, path, max_pos, rope_theta)
     return ModelConfig(
         architecture=arch,
@@ -333,13 +363,14 @@ def parse_base(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", rms_norm_eps)),
-        max_model_len=max_model_len,
+        max_model_len=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=False,
         o_bias=False,
         mlp_bias=False,
         qk_norm=False,
         rope=rope,
+        windows=windows,
     )
 
 

@@ -105,6 +105,7 @@ class TorchAttention:
         kv_cache: Tensor,
         num_heads: int,
         dtype: torch.dtype | None = None,
+        window: int | None = None,
     ) -> TorchAttentionPlan:
         """The step's plan (see ``AttentionBackend.prepare``): the C kernels for a CPU fp32 or
         bf16 cache when they can be built here (and ``native``), and for a quantized cache when
@@ -116,7 +117,9 @@ class TorchAttention:
             if supports is None or not supports(kv_cache.dtype, dtype):
                 kernels = None
         block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
-        return build_torch_plan(meta, block_size, num_heads // num_kv_heads, dtype, kernels)
+        return build_torch_plan(
+            meta, block_size, num_heads // num_kv_heads, dtype, kernels, window
+        )
 
     def forward(
         self,
@@ -194,6 +197,7 @@ class TorchAttention:
                 k_start=plan.k_start,
                 lse=lse_all,
                 tiled=tiled,
+                window=plan.window,
                 **quant,
             )
         for g in plan.groups:

@@ -27,8 +27,11 @@ class TritonAttention:
         kv_cache: Tensor,
         num_heads: int,
         dtype: torch.dtype | None = None,
+        window: int | None = None,
     ) -> AttentionMetadata:
         """The kernels need nothing beyond the metadata: it is the plan."""
+        if window is not None:
+            raise NotImplementedError("sliding windows are not in the Triton kernels yet")
         return meta
 
     def forward(

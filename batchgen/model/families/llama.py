@@ -6,8 +6,9 @@ The differences between the four architectures are flags of ``ModelConfig``:
 - Qwen2: bias on the q/k/v projections (not on o_proj);
 - Qwen3: RMSNorm over each head of q and k (``q_norm``/``k_norm``) before RoPE;
 - Llama: optional ``attention_bias`` (q/k/v/o) and ``mlp_bias``;
-- Mistral: a sliding window, which we do not implement: the loader caps the usable context at the
-  window instead (within the window, windowed and full causal attention are the same).
+- Mistral: a sliding window in every layer (Qwen2/Qwen3: in the layers ``layer_types`` calls
+  sliding); a windowed layer attends to its window's keys only, through the step's attention plan
+  for that window (the cache keeps every position: prefix reuse is unchanged).
 
 Tokens are flat: a step is the concatenation of every sequence's new tokens, ``input_ids [T]``,
 ``positions [T]``; no batch dimension, no padding. q/k/v are fused into one projection, and gate/up
@@ -23,12 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchgen.model.architecture import Architecture, WeightPlan
 from batchgen.model.attention import AttentionBackend, AttentionMetadata
-from batchgen.model.config import ModelConfig, parse_base, qwen_sliding_window
+from batchgen.model.config import ModelConfig, parse_base, qwen_windows
 from batchgen.model.layers.activation import silu_mul
 from batchgen.model.layers.backend import LayerBackend
 from batchgen.model.layers.linear import (
@@ -43,6 +45,7 @@ from batchgen.model.layers.rotary import Rotary, rotation
 
 __all__ = [
     "ARCHITECTURES",
+    "layer_plans",
     "LlamaAttention",
     "LlamaDecoderLayer",
     "LlamaForCausalLM",
@@ -105,6 +108,25 @@ class LlamaAttention(nn.Module):
         scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale, **scales)
         return self.o_proj.add_(residual, o.reshape(t, self.q_size))
+
+
+def layer_plans(
+    attention: AttentionBackend[Any],
+    cfg: ModelConfig,
+    meta: AttentionMetadata,
+    kv_cache: Tensor,
+    dtype: torch.dtype,
+) -> list[Any]:
+    """Each layer's attention plan of the step, prepared once per distinct window (in the
+    model's ``dtype``, which a quantized cache's is not)."""
+    plans: dict[int | None, Any] = {}
+    out = []
+    for i in range(cfg.num_layers):
+        w = cfg.window(i)
+        if w not in plans:
+            plans[w] = attention.prepare(meta, kv_cache, cfg.num_heads, dtype, window=w)
+        out.append(plans[w])
+    return out
 
 
 # rows per MLP pass on the CPU (see LlamaMLP.forward)
@@ -232,12 +254,11 @@ class LlamaForCausalLM(nn.Module):
         after the final norm.
         """
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        # once per step; the model's dtype, which a quantized cache's is not
-        plan = self.attention.prepare(meta, kv_cache, self.cfg.num_heads, x.dtype)
+        plans = layer_plans(self.attention, self.cfg, meta, kv_cache, x.dtype)
         cos, sin = self.rotary(positions, x.dtype)  # [T, D/2]
         for i, layer in enumerate(self.layers):
             scales = () if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], plan, *scales)
+            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], plans[i], *scales)
         return self.norm(x)
 
     def pack_weights(self) -> int:
@@ -372,13 +393,13 @@ def _parse_mistral(raw: dict[str, Any], path: Path) -> ModelConfig:
 
 def _parse_qwen2(raw: dict[str, Any], path: Path) -> ModelConfig:
     # q/k/v always have a bias, o_proj never
-    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_sliding_window(raw))
+    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_windows(raw))
     return dataclasses.replace(base, qkv_bias=True)
 
 
 def _parse_qwen3(raw: dict[str, Any], path: Path) -> ModelConfig:
     # per-head q/k RMSNorm; attention_bias covers q/k/v/o
-    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_sliding_window(raw))
+    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_windows(raw))
     bias = bool(raw.get("attention_bias", False))
     return dataclasses.replace(base, qkv_bias=bias, o_bias=bias, qk_norm=True)
 

@@ -1,0 +1,221 @@
+"""Sliding-window attention against transformers, past the window: Mistral (every layer
+windowed) and Qwen2 (sliding and full layers by ``layer_types``), with windows of 16 tokens.
+
+- the C kernel's windowed paths (per token and tiled) and the PyTorch plan against a direct
+  definition of windowed attention;
+- teacher-forced logits through the paged cache (prefills longer than the window, extends and
+  decodes across its edge) in both kernel paths;
+- whole jobs through the CLI: greedy output equals transformers' ``generate`` with prompts a few
+  windows long; prompts sharing a prefix longer than the window give the same tokens with the
+  prefix cache on and off, and n samples forked past the window's edge are those of one sample
+  per row.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.model import cpu_kernels
+from batchgen.model.attention import AttentionMetadata, TorchAttention
+from batchgen.model.once import Once
+from batchgen.model.registry import read_model_config
+from batchgen.tiny_model import make_prompts
+from tests.hf_reference import WINDOW_ARCHS, hf_greedy, hf_logits
+from tests.jobkit import run_job, write_job
+from tests.optional import require
+from tests.test_model import assert_close_logits, load, run_paged
+from tests.ties import compare_samples
+
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def window_dirs(tiny_model) -> dict[str, Path]:
+    return {arch: tiny_model(**kw) for arch, kw in WINDOW_ARCHS.items()}
+
+
+def test_config_windows_per_layer(window_dirs: dict[str, Path]) -> None:
+    mistral = read_model_config(window_dirs["mistral_window"])[0]
+    assert mistral.windows == (WINDOW, WINDOW) and mistral.max_model_len == 512
+    qwen2 = read_model_config(window_dirs["qwen2_window"])[0]
+    assert qwen2.windows == (WINDOW, 0) and qwen2.window(1) is None
+
+
+# --------------------------------------------------------------------------------------------
+# attention against its definition
+# --------------------------------------------------------------------------------------------
+
+
+def windowed_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_pos: int, window: int
+) -> torch.Tensor:
+    """One sequence: q ``[Lq, Hq, D]`` at positions first_pos.., keys/values ``[Lk, Hkv, D]``
+    (positions 0..), each row sees keys ``p-W+1 .. p``; fp32."""
+    lq, hq, _ = q.shape
+    lk, hkv, _ = keys.shape
+    k = keys.repeat_interleave(hq // hkv, dim=1)
+    v = values.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+    pos = torch.arange(first_pos, first_pos + lq)[:, None]
+    kpos = torch.arange(lk)[None, :]
+    visible = (kpos <= pos) & (kpos > pos - window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float())
+
+
+# (q_len, seq_len) per sequence: decodes before, at and past the window, a fresh prefill within
+# and past it, extends across its edge, short and long
+STEP = [(1, 5), (1, 16), (1, 40), (12, 12), (45, 45), (6, 30), (20, 37), (3, 17)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_windowed_attention_matches_the_definition(
+    native: bool, dtype: torch.dtype, hq: int, hkv: int
+) -> None:
+    if native:
+        require("cpu_kernels")
+    d, bs = 64, 4
+    gen = torch.Generator().manual_seed(hq)
+    blocks_of = [math.ceil(k / bs) for _, k in STEP]
+    num_blocks = sum(blocks_of) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    cache = torch.full((2, num_blocks, bs, hkv, d), float("nan"), dtype=dtype)
+    tables = torch.zeros(len(STEP), max(blocks_of), dtype=torch.int32)
+    qs, ks, vs, slots, want = [], [], [], [], []
+    start = 0
+    for b, (q_len, k_len) in enumerate(STEP):
+        table = perm[start : start + blocks_of[b]]
+        start += blocks_of[b]
+        tables[b, : len(table)] = torch.tensor(table)
+        keys = torch.randn(k_len, hkv, d, generator=gen).to(dtype)
+        values = torch.randn(k_len, hkv, d, generator=gen).to(dtype)
+        q = torch.randn(q_len, hq, d, generator=gen).to(dtype)
+        for p in range(k_len):  # the cached prefix is in the cache; the new rows come as k, v
+            slot = table[p // bs] * bs + p % bs
+            if p < k_len - q_len:
+                cache[0].view(-1, hkv, d)[slot] = keys[p]
+                cache[1].view(-1, hkv, d)[slot] = values[p]
+            else:
+                slots.append(slot)
+        qs.append(q)
+        ks.append(keys[k_len - q_len :])
+        vs.append(values[k_len - q_len :])
+        want.append(windowed_reference(q, keys, values, k_len - q_len, WINDOW))
+    cu = [0]
+    for q_len, _ in STEP:
+        cu.append(cu[-1] + q_len)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=tables,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor([k for _, k in STEP], dtype=torch.int32),
+        max_seqlen_q=max(q for q, _ in STEP),
+        max_seqlen_k=max(k for _, k in STEP),
+    )
+    attn = TorchAttention(native)
+    plan = attn.prepare(meta, cache[None], hq, window=WINDOW)
+    assert (plan.kernels is not None) == native
+    out = attn.forward(
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), cache[0], cache[1], plan, d**-0.5
+    )
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for b, w in enumerate(want):
+        err = (out[cu[b] : cu[b + 1]].float() - w).abs().max().item()
+        assert err <= tol, (b, STEP[b], err)
+
+
+# --------------------------------------------------------------------------------------------
+# the models against transformers
+# --------------------------------------------------------------------------------------------
+
+
+def window_schedules() -> list[list[int]]:
+    """Chunks per sequence (block size 4, window 16): prefills within and past the window,
+    extends across its edge, decodes past it."""
+    return [
+        [45, 1, 1, 1],  # a fresh prefill of nearly three windows
+        [10, 20, 1, 1, 1],  # within, then across the edge
+        [1] * 3 + [30, 1, 1],  # decodes, then a long extend
+        [5, 5, 5, 5, 1, 1, 1],  # short extends over the edge (per-token kernel)
+        [16, 16, 1, 1],  # exactly a window, twice
+    ]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("arch", sorted(WINDOW_ARCHS))
+def test_paged_logits_match_transformers(arch: str, native: bool, window_dirs) -> None:
+    model_dir = window_dirs[arch]
+    model, info = load(model_dir, native)
+    gen = torch.Generator().manual_seed(len(arch))
+    schedules = window_schedules()
+    seqs = [torch.randint(0, info.vocab_size, (sum(c),), generator=gen).tolist() for c in schedules]
+    ours = run_paged(model, seqs, schedules, 4, gen)
+    for o, r in zip(ours, hf_logits(model_dir, seqs), strict=True):
+        assert_close_logits(o, r)
+
+
+# --------------------------------------------------------------------------------------------
+# whole jobs through the CLI
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("arch", sorted(WINDOW_ARCHS))
+def test_greedy_job_matches_transformers_generate(
+    arch: str, native: bool, window_dirs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts of 2-4 windows (chunked prefill of 24-token steps, up to 3 sequences per step),
+    12 new tokens; transformers runs each prompt alone. ``torch``: without the C kernels."""
+    if native:
+        require("cpu_kernels")
+    else:
+        monkeypatch.setattr(cpu_kernels, "_KERNELS", Once(lambda: None))
+    from transformers import AutoTokenizer
+
+    model = window_dirs[arch]
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = make_prompts(4, seed=21, min_words=12, max_words=30)
+    sampling = {"temperature": 0, "max_tokens": 12}
+    engine = {"block_size": 4, "max_num_batched_tokens": 24, "max_num_seqs": 3}
+    rows = run_job(write_job(tmp_path, model, prompts, sampling=sampling, engine=engine))
+    ids = [tok(p)["input_ids"] for p in prompts]
+    assert min(len(i) for i in ids) > 2 * WINDOW
+    expected = hf_greedy(model, ids, 12)
+    ref = [{"id": i, "sample_index": 0, "token_ids": e} for i, e in enumerate(expected)]
+    compare_samples(rows, ref, model=model, prompts=dict(enumerate(prompts)), sampling=sampling)
+
+
+def test_prefix_cache_and_forks_across_the_window(window_dirs, tmp_path: Path) -> None:
+    """Prompts sharing a prefix longer than the window, n=3 seeded samples forked from one
+    prefill: the same samples with the prefix cache on (the prefix computed once) and off, one
+    sequence per 5-token step."""
+    model = window_dirs["qwen2_window"]
+    prefix = " ".join(make_prompts(1, seed=22, min_words=20, max_words=20))
+    prompts = make_prompts(3, seed=23, min_words=2, max_words=8, prefix=prefix)
+    sampling = {"temperature": 0.9, "max_tokens": 24, "n": 3, "seed": 5, "ignore_eos": True}
+    a = run_job(
+        write_job(tmp_path / "a", model, prompts, sampling=sampling, engine={"block_size": 4})
+    )
+    b = run_job(
+        write_job(
+            tmp_path / "b",
+            model,
+            prompts,
+            sampling=sampling,
+            engine={
+                "block_size": 4,
+                "max_num_seqs": 1,
+                "max_num_batched_tokens": 5,
+                "prefix_caching": False,
+            },
+        )
+    )
+    compare_samples(b, a, model=model, prompts=dict(enumerate(prompts)), sampling=sampling)
+    assert len({tuple(r["token_ids"]) for r in a if r["id"] == 0}) > 1  # samples differ
+    assert sum(r["num_cached_tokens"] for r in a if r["sample_index"] == 0) > WINDOW
