@@ -51,18 +51,26 @@ def test_config_windows_per_layer(window_dirs: dict[str, Path]) -> None:
 
 
 def windowed_reference(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_pos: int, window: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    first_pos: int,
+    window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One sequence: q ``[Lq, Hq, D]`` at positions first_pos.., keys/values ``[Lk, Hkv, D]``
-    (positions 0..), each row sees keys ``p-W+1 .. p``; fp32."""
+    (positions 0..), each row sees keys ``p-W+1 .. p`` (None: ``0 .. p``), scores capped by
+    ``softcap * tanh(s / softcap)``; fp32."""
     lq, hq, _ = q.shape
     lk, hkv, _ = keys.shape
     k = keys.repeat_interleave(hq // hkv, dim=1)
     v = values.repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(first_pos, first_pos + lq)[:, None]
     kpos = torch.arange(lk)[None, :]
-    visible = (kpos <= pos) & (kpos > pos - window)
+    visible = (kpos <= pos) & (kpos > pos - (window or lk + first_pos + lq))
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float())
 
@@ -75,9 +83,13 @@ STEP = [(1, 5), (1, 16), (1, 40), (12, 12), (45, 45), (6, 30), (20, 37), (3, 17)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+@pytest.mark.parametrize(
+    "window,softcap", [(WINDOW, None), (None, 2.0), (WINDOW, 2.0)], ids=["w", "cap", "w-cap"]
+)
 def test_windowed_attention_matches_the_definition(
-    native: bool, dtype: torch.dtype, hq: int, hkv: int
+    native: bool, dtype: torch.dtype, hq: int, hkv: int, window: int | None, softcap: float | None
 ) -> None:
+    """Windowed and softcapped attention (Gemma 2's) in the C kernels and the PyTorch plan."""
     if native:
         require("cpu_kernels")
     d, bs = 64, 4
@@ -106,7 +118,7 @@ def test_windowed_attention_matches_the_definition(
         qs.append(q)
         ks.append(keys[k_len - q_len :])
         vs.append(values[k_len - q_len :])
-        want.append(windowed_reference(q, keys, values, k_len - q_len, WINDOW))
+        want.append(windowed_reference(q, keys, values, k_len - q_len, window, softcap))
     cu = [0]
     for q_len, _ in STEP:
         cu.append(cu[-1] + q_len)
@@ -119,7 +131,7 @@ def test_windowed_attention_matches_the_definition(
         max_seqlen_k=max(k for _, k in STEP),
     )
     attn = TorchAttention(native)
-    plan = attn.prepare(meta, cache[None], hq, window=WINDOW)
+    plan = attn.prepare(meta, cache[None], hq, window=window, softcap=softcap)
     assert (plan.kernels is not None) == native
     out = attn.forward(
         torch.cat(qs), torch.cat(ks), torch.cat(vs), cache[0], cache[1], plan, d**-0.5

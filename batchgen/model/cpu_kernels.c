@@ -27,7 +27,8 @@
  * New token i of sequence b (q row cu[b]+i) sits at position p = seq_lens[b] - q_len + i and
  * attends to keys k_start[b] .. p; with a sliding window W > 0 (window), to keys
  * max(k_start[b], p - W + 1) .. p only (the keys before are never read). Query head h uses KV
- * head h / (Hq/Hkv). When a row sees no key at all, out is 0 and lse is -inf.
+ * head h / (Hq/Hkv). When a row sees no key at all, out is 0 and lse is -inf. With softcap > 0,
+ * each score s = scale * q.k becomes softcap * tanh(s / softcap) before the softmax.
  *
  * bf16 storage (paged_attention_bf16, prefix_attention_merge_bf16): q, k_cache and v_cache hold
  * bf16 (uint16 bit patterns), lse stays fp32, out is bf16 or fp32 (out_bf16). K/V are converted
@@ -84,6 +85,7 @@ typedef struct {
     const float *k_scale; /* [num_blocks, block_size, Hkv]: scale of slot s, head h at s*Hkv+h */
     const float *v_scale;
     int window; /* sliding window (keys p-window+1 .. p), 0: none */
+    float softcap; /* scores -> softcap * tanh(score / softcap); 0: none */
 } Args;
 
 typedef struct {
@@ -527,6 +529,10 @@ static inline __attribute__((always_inline)) void attend_row_group(
             }
         }
     }
+    if (a->softcap > 0.0f) {
+        const float cap = a->softcap, inv = 1.0f / a->softcap;
+        for (int i = 0; i < G * n; i++) scores[i] = cap * tanhf(scores[i] * inv);
+    }
     /* softmax per row, normalized in place */
     for (int g = 0; g < G; g++)
         softmax_row(scores + g * n, n, lse_row ? lse_row + kv_head * G + g : NULL);
@@ -668,7 +674,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void tile_attend_lanes(
     const float *kbuf, const float *vbuf, int num_keys, int k0, const float *qt,
     const int32_t *pos_l, int pos_min, int pos_max, const int32_t *lo_l, int lo_min, int lo_max,
-    float *ot, float *m_out, float *l_out, int lane0, int resume, const int D) {
+    float softcap, float *ot, float *m_out, float *l_out, int lane0, int resume, const int D) {
     vn m = (vn){0} - 1e30f, l = {0};
     vin pos, lo;
     memcpy(&pos, pos_l + lane0, sizeof pos);
@@ -695,6 +701,11 @@ static inline __attribute__((always_inline)) void tile_attend_lanes(
                 for (int j = 0; j < TILE_KEYS; j++) acc[j] += kb[(jb + j) * D + d] * q;
             }
             for (int j = 0; j < TILE_KEYS; j++) s[jb + j] = acc[j];
+        }
+        if (softcap > 0.0f) {
+            const float inv = 1.0f / softcap;
+            for (int j = 0; j < 16; j++)
+                for (int i = 0; i < VL; i++) s[j][i] = softcap * tanhf(s[j][i] * inv);
         }
         if (k0 + j0 + 15 > pos_min || k0 + j0 < lo_max) { /* some row sees part of it */
             for (int j = 0; j < 16; j++) {
@@ -741,19 +752,19 @@ static inline __attribute__((always_inline)) void tile_attend_lanes(
 static inline __attribute__((always_inline)) void tile_attend(
     const float *kbuf, const float *vbuf, int num_keys, int k0, const float *qt,
     const int32_t *pos_l, int pos_min, int pos_max, const int32_t *lo_l, int lo_min, int lo_max,
-    float *ot, float *m, float *l, int resume, const int D) {
+    float softcap, float *ot, float *m, float *l, int resume, const int D) {
     for (int lane0 = 0; lane0 < 16; lane0 += VL)
         tile_attend_lanes(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min,
-                          lo_max, ot, m, l, lane0, resume, D);
+                          lo_max, softcap, ot, m, l, lane0, resume, D);
 }
 
 static void tile_attend_dispatch(const float *kbuf, const float *vbuf, int num_keys, int k0,
                                  const float *qt, const int32_t *pos_l, int pos_min, int pos_max,
-                                 const int32_t *lo_l, int lo_min, int lo_max, float *ot, float *m,
-                                 float *l, int resume, int D) {
+                                 const int32_t *lo_l, int lo_min, int lo_max, float softcap,
+                                 float *ot, float *m, float *l, int resume, int D) {
 #define TILE_ATTEND(d)                                                                         \
-    tile_attend(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min, lo_max, ot, \
-                m, l, resume, d)
+    tile_attend(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min, lo_max,    \
+                softcap, ot, m, l, resume, d)
     if (D == 64)
         TILE_ATTEND(64);
     else if (D == 128)
@@ -878,7 +889,7 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
         load_tile(qrows, bf, a->scale, D, qt);
         float m[16], l[16];
         tile_attend_dispatch(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min,
-                             lo_max, ot, m, l, 0, D);
+                             lo_max, a->softcap, ot, m, l, 0, D);
         unload_tile(ot, D, orow);
         for (int lane = 0; lane < 16 && r0 + lane < rows; lane++) {
             const int r = r0 + lane;
@@ -1014,7 +1025,7 @@ static void run_prefix_item(const void *q, int64_t q_stride, const void *k_cache
         for (int t = 0; t < num_tiles; t++)
             tile_attend_dispatch(kbuf, vbuf, n, k0, qts + t * 16 * (size_t)D, pos,
                                  prefix_len - 1, prefix_len - 1, NO_LOWER16, NO_LOWER, NO_LOWER,
-                                 ots + t * 16 * (size_t)D,
+                                 0.0f, ots + t * 16 * (size_t)D,
                                  ms + t * 16, ls + t * 16, k0 > 0, D);
     }
     for (int t = 0; t < num_tiles; t++) {
@@ -1197,11 +1208,11 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                         const int32_t *cu_seqlens_q, const int32_t *seq_lens,
                         const int32_t *k_start, const int32_t *seqs, int num_seqs, float *out,
                         float *lse, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                        float scale, int window, int tiled, int num_threads) {
+                        float scale, int window, float softcap, int tiled, int num_threads) {
     if (num_seqs <= 0) return 0;
     const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
                     out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
-                    block_size, 0, scale, 0, 0, 0, NULL, NULL, window};
+                    block_size, 0, scale, 0, 0, 0, NULL, NULL, window, softcap};
     return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
 }
 
@@ -1212,11 +1223,12 @@ int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
                          const int32_t *cu_seqlens_q, const int32_t *seq_lens,
                          const int32_t *k_start, const int32_t *seqs, int num_seqs, void *out,
                          int out_bf16, float *lse, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, float scale, int window, int tiled, int num_threads) {
+                         int block_size, float scale, int window, float softcap, int tiled,
+                         int num_threads) {
     if (num_seqs <= 0) return 0;
     const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
                     out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
-                    block_size, 0, scale, 1, out_bf16 != 0, 0, NULL, NULL, window};
+                    block_size, 0, scale, 1, out_bf16 != 0, 0, NULL, NULL, window, softcap};
     return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
 }
 
@@ -1232,12 +1244,13 @@ int paged_attention_i8(const void *q, int64_t q_stride, int q_bf16, const int8_t
                        const int32_t *cu_seqlens_q, const int32_t *seq_lens,
                        const int32_t *k_start, const int32_t *seqs, int num_seqs, void *out,
                        int out_bf16, float *lse, int num_heads, int num_kv_heads, int head_dim,
-                       int block_size, float scale, int window, int tiled, int num_threads) {
+                       int block_size, float scale, int window, float softcap, int tiled,
+                       int num_threads) {
     if (num_seqs <= 0) return 0;
     const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
                     out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
                     block_size, 0, scale, q_bf16 != 0, q_bf16 && out_bf16, 1, k_scale, v_scale,
-                    window};
+                    window, softcap};
     return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
 }
 

@@ -55,12 +55,14 @@ class AttentionBackend(Protocol[Plan]):
         num_heads: int,
         dtype: torch.dtype | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> Plan:
         """The step's plan: meta of this step, kv_cache ``[L, 2, num_blocks, block_size, Hkv,
         D]``, ``num_heads`` query heads (Hq), ``dtype`` q's (None: the cache's, which is q's
         for a float cache), ``window`` the sliding window W of the layers that will run it (a
         row at position p sees keys ``p-W+1 .. p`` only; None: every key up to p). A model
-        with layers of different windows prepares one plan per window."""
+        with layers of different windows prepares one plan per window. ``softcap``: each score
+        s (``scale * q.k``) becomes ``softcap * tanh(s / softcap)`` before the softmax."""
         ...
 
     def forward(

@@ -39,22 +39,57 @@ _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def _attend_lse(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+    is_causal: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Attention that also returns the log-sum-exp of the scores.
 
-    q ``[n, H, Lq, D]``, k/v ``[n, H, Lk, D]`` (same H), additive mask broadcastable to
-    ``[n, H, Lq, Lk]`` or None -> out ``[n, H, Lq, D]``, lse ``[n, H, Lq]`` fp32.
+    q ``[n, H, Lq, D]``, k/v ``[n, Hk, Lk, D]`` (H a multiple of Hk), additive mask
+    broadcastable to ``[n, H, Lq, Lk]`` or None (``is_causal``: a causal mask instead) -> out
+    ``[n, H, Lq, D]``, lse ``[n, H, Lq]`` fp32. ``softcap``: scores capped by
+    ``softcap * tanh(s / softcap)`` before the mask (the eager formula, not the CPU flash op).
     """
-    if q.device.type == "cpu" and _flash_cpu is not None:
-        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if q.device.type == "cpu" and _flash_cpu is not None and softcap is None:
+        out, lse = _flash_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
         return out, lse.float()
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        hide = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu_(lk - lq + 1)
+        scores = scores.masked_fill(hide, float("-inf"))
     if mask is not None:
         scores = scores + mask
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).to(v.dtype)
     return torch.matmul(probs, v), lse
+
+
+def _attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    softcap: float | None,
+    is_causal: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` (GQA: K/V heads shared by consecutive query heads), or
+    with ``softcap`` the eager formula of :func:`_attend_lse`."""
+    if softcap is not None:
+        return _attend_lse(q, k, v, mask, scale, softcap, is_causal)[0]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 class TorchAttention:
@@ -106,6 +141,7 @@ class TorchAttention:
         num_heads: int,
         dtype: torch.dtype | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> TorchAttentionPlan:
         """The step's plan (see ``AttentionBackend.prepare``): the C kernels for a CPU fp32 or
         bf16 cache when they can be built here (and ``native``), and for a quantized cache when
@@ -118,7 +154,7 @@ class TorchAttention:
                 kernels = None
         block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
         return build_torch_plan(
-            meta, block_size, num_heads // num_kv_heads, dtype, kernels, window
+            meta, block_size, num_heads // num_kv_heads, dtype, kernels, window, softcap
         )
 
     def forward(
@@ -172,7 +208,9 @@ class TorchAttention:
             and plan.native_seqs is None
             and plan.tiled_seqs is None
         ):
-            return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale, scales)[0]
+            return self._group(
+                plan.groups[0], q, k, v, k_flat, v_flat, scale, scales, plan.softcap
+            )[0]
         # a native cascade merge reads and rewrites out: fp32 until then (bf16 q: one rounding)
         cb = plan.cascade_batch
         out = q.new_empty(
@@ -198,11 +236,12 @@ class TorchAttention:
                 lse=lse_all,
                 tiled=tiled,
                 window=plan.window,
+                softcap=plan.softcap,
                 **quant,
             )
         for g in plan.groups:
             # [n*max_q, Hq, D], [.., Hq]
-            o, lse = self._group(g, q, k, v, k_flat, v_flat, scale, scales)
+            o, lse = self._group(g, q, k, v, k_flat, v_flat, scale, scales, plan.softcap)
             if g.out_select is not None:
                 o = o.index_select(0, g.out_select)
                 lse = None if lse is None else lse.index_select(0, g.out_select)
@@ -234,6 +273,7 @@ class TorchAttention:
         v_flat: Tensor,
         scale: float,
         scales: tuple[Tensor, Tensor] | None = None,
+        softcap: float | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """One padded group -> out ``[n*max_q, Hq, D]`` (padded rows included) and, for cascade
         members, the log-sum-exp ``[n*max_q, Hq]``."""
@@ -250,8 +290,8 @@ class TorchAttention:
             vg = v if g.q_index is None else v.index_select(0, g.q_index)
             kg = kg.view(n, max_q, hkv, d).transpose(1, 2)  # [n, Hkv, max_q, D]
             vg = vg.view(n, max_q, hkv, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qg.transpose(1, 2), kg, vg, is_causal=True, scale=scale, enable_gqa=grp > 1
+            o = _attend(
+                qg.transpose(1, 2), kg, vg, None, scale, softcap, is_causal=True
             )  # [n, Hq, max_q, D]
             return o.transpose(1, 2).reshape(n * max_q, hq, d), None
 
@@ -262,13 +302,15 @@ class TorchAttention:
         per_seq = 2 * max_k * hkv * d * q.element_size()  # gathered (dequantized) K+V
         step = max(1, _GATHER_CHUNK_BYTES // per_seq)
         if step >= n:
-            return self._attend_cached(g, qg, slots, g.mask, k_flat, v_flat, scale, scales)
+            return self._attend_cached(
+                g, qg, slots, g.mask, k_flat, v_flat, scale, scales, softcap
+            )
         outs, lses = [], []
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             mask = None if g.mask is None else g.mask[lo:hi]
             o, lse = self._attend_cached(
-                g, qg[lo:hi], slots[lo:hi], mask, k_flat, v_flat, scale, scales
+                g, qg[lo:hi], slots[lo:hi], mask, k_flat, v_flat, scale, scales, softcap
             )
             outs.append(o)
             lses.append(lse)
@@ -284,6 +326,7 @@ class TorchAttention:
         v_flat: Tensor,
         scale: float,
         scales: tuple[Tensor, Tensor] | None = None,
+        cap: float | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Sequences ``qg [m, max_q, Hq, D]`` against their gathered keys ``slots [m, max_k]``
         -> out ``[m*max_q, Hq, D]`` and (want_lse) lse ``[m*max_q, Hq]``."""
@@ -300,9 +343,9 @@ class TorchAttention:
         if g.kind == DECODE:
             qp = qg.view(m, hkv, grp, d)  # the G heads sharing a KV head become G query rows
             if g.want_lse:
-                o, lse = _attend_lse(qp, kg, vg, mask, scale)  # [m,Hkv,G,D], [m,Hkv,G]
+                o, lse = _attend_lse(qp, kg, vg, mask, scale, cap)  # [m,Hkv,G,D], [m,Hkv,G]
                 return o.reshape(m, hq, d), lse.reshape(m, hq)
-            o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=mask, scale=scale)
+            o = _attend(qp, kg, vg, mask, scale, cap)
             return o.reshape(m, hq, d), None
         if g.want_lse:
             qp = (
@@ -310,13 +353,11 @@ class TorchAttention:
                 .permute(0, 2, 1, 3, 4)
                 .reshape(m, hkv, max_q * grp, d)
             )
-            o, lse = _attend_lse(qp, kg, vg, mask, scale)  # [m,Hkv,max_q*G,D], [m,Hkv,max_q*G]
+            o, lse = _attend_lse(qp, kg, vg, mask, scale, cap)  # [m,Hkv,max_q*G,D], [m,Hkv,max_q*G]
             o = o.view(m, hkv, max_q, grp, d).permute(0, 2, 1, 3, 4).reshape(m * max_q, hq, d)
             lse = lse.view(m, hkv, max_q, grp).permute(0, 2, 1, 3).reshape(m * max_q, hq)
             return o, lse
-        o = F.scaled_dot_product_attention(
-            qg.transpose(1, 2), kg, vg, attn_mask=mask, scale=scale, enable_gqa=grp > 1
-        )  # [m, Hq, max_q, D]
+        o = _attend(qg.transpose(1, 2), kg, vg, mask, scale, cap)  # [m, Hq, max_q, D]
         return o.transpose(1, 2).reshape(m * max_q, hq, d), None
 
     def _merge_prefix(

@@ -123,6 +123,7 @@ class TorchAttentionPlan:
     k_start: Tensor | None = None  # [B] int32 first key each sequence attends to (cascades,
     #                                 windows)
     window: int | None = None  # the layers' sliding window; None: full causal attention
+    softcap: float | None = None  # scores -> softcap * tanh(score / softcap); None: as they are
 
 
 def _split_groups(
@@ -195,6 +196,7 @@ def build_torch_plan(
     dtype: torch.dtype,
     kernels: CpuKernels | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> TorchAttentionPlan:
     """Turn the step metadata into padded groups (and cascades) with gather indices and masks;
     ``group`` = Hq // Hkv, ``dtype`` q's (float masks are in it).
@@ -209,7 +211,7 @@ def build_torch_plan(
     ``window`` (the plan of layers with a sliding window W): each sequence's keys start at its
     first new token's window (``p - W + 1``), masks hide the keys before each row's window, a
     fresh prefill longer than W is attended like an extend, and there are no cascades (a shared
-    prefix is not in every row's window).
+    prefix is not in every row's window). ``softcap``: the scores are capped (no cascades either).
 
     One host sync per step (the B+1 offsets and B lengths, and the block-table rows of cascade
     candidates); the groups' index tensors are built with vectorized ops on the metadata's
@@ -227,7 +229,7 @@ def build_torch_plan(
 
     # shared prefixes: members skip them in their own groups (key offset ``start``)
     start = [0] * num_seqs
-    found = [] if window else _find_cascades(meta, q_lens, k_lens, block_size)
+    found = [] if window or softcap else _find_cascades(meta, q_lens, k_lens, block_size)
     if window:  # keys before the first new token's window are never read
         start = [max(0, k_lens[b] - q_lens[b] - window + 1) for b in range(num_seqs)]
     rows_of: list[list[int]] = []  # per cascade: the members' q rows
@@ -339,4 +341,5 @@ def build_torch_plan(
         torch.tensor(tiled_seqs, dtype=torch.int32) if tiled_seqs else None,
         k_start,
         window,
+        softcap,
     )

@@ -28,10 +28,11 @@ class TritonAttention:
         num_heads: int,
         dtype: torch.dtype | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> AttentionMetadata:
         """The kernels need nothing beyond the metadata: it is the plan."""
-        if window is not None:
-            raise NotImplementedError("sliding windows are not in the Triton kernels yet")
+        if window is not None or softcap is not None:
+            raise NotImplementedError("sliding windows and softcaps are not in the Triton kernels yet")
         return meta
 
     def forward(
