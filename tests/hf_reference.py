@@ -54,8 +54,27 @@ MOE_ARCHS: dict[str, dict] = {
 
 # Sliding-window arch -> tiny_model kwargs (arch included; 2 layers, hidden 64, windows of 16
 # tokens): Mistral with every layer windowed (GQA 4:2), Qwen2 with layer 0 sliding and layer 1
-# full (MHA 4:4)
+# full (MHA 4:4); Gemma 2 and 3 with a local and a global layer, query_pre_attn_scalar not
+# head_dim, Gemma 2's softcaps low enough to matter, Gemma 3's two RoPE bases
+_GEMMA = dict(
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+    config_overrides=dict(
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+    ),
+)
 WINDOW_ARCHS: dict[str, dict] = {
+    "gemma2": _GEMMA
+    | dict(
+        arch="gemma2",
+        config_overrides=_GEMMA["config_overrides"]
+        | dict(attn_logit_softcapping=5.0, final_logit_softcapping=10.0),
+    ),
+    "gemma3": _GEMMA | dict(arch="gemma3"),
     "mistral_window": dict(
         arch="mistral", num_heads=4, num_kv_heads=2, config_overrides=dict(sliding_window=16)
     ),

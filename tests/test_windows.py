@@ -1,5 +1,6 @@
 """Sliding-window attention against transformers, past the window: Mistral (every layer
-windowed) and Qwen2 (sliding and full layers by ``layer_types``), with windows of 16 tokens.
+windowed), Qwen2 (sliding and full layers by ``layer_types``), Gemma 2 (softcaps) and Gemma 3
+(q/k norms, two RoPE bases), with windows of 16 tokens.
 
 - the C kernel's windowed paths (per token and tiled) and the PyTorch plan against a direct
   definition of windowed attention;
@@ -13,6 +14,7 @@ windowed) and Qwen2 (sliding and full layers by ``layer_types``), with windows o
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch
 from batchgen.model import cpu_kernels
 from batchgen.model.attention import AttentionMetadata, TorchAttention
 from batchgen.model.once import Once
-from batchgen.model.registry import read_model_config
+from batchgen.model.registry import parse_config, read_model_config
 from batchgen.tiny_model import make_prompts
 from tests.hf_reference import WINDOW_ARCHS, hf_greedy, hf_logits
 from tests.jobkit import run_job, write_job
@@ -43,6 +45,27 @@ def test_config_windows_per_layer(window_dirs: dict[str, Path]) -> None:
     assert mistral.windows == (WINDOW, WINDOW) and mistral.max_model_len == 512
     qwen2 = read_model_config(window_dirs["qwen2_window"])[0]
     assert qwen2.windows == (WINDOW, 0) and qwen2.window(1) is None
+    gemma3 = read_model_config(window_dirs["gemma3"])[0]
+    assert gemma3.windows == (WINDOW, 0) and gemma3.qk_norm and gemma3.tie_word_embeddings
+    assert (gemma3.rope.theta, gemma3.local_rope.theta) == (1e6, 1e4)
+    gemma2 = read_model_config(window_dirs["gemma2"])[0]
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.local_rope) == (5.0, 10.0, None)
+    # a hub-style Gemma 3 config: no layer_types (five local layers to one global), the local
+    # base and the global scaling in the legacy keys
+    raw = json.loads((window_dirs["gemma3"] / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        del raw[key]
+    raw |= {
+        "num_hidden_layers": 7,
+        "hidden_act": "gelu_pytorch_tanh",
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    cfg = parse_config(raw, Path("config.json"))
+    assert cfg.windows == (WINDOW,) * 5 + (0, WINDOW)
+    assert (cfg.rope.rope_type, cfg.rope.factor, cfg.rope.theta) == ("linear", 8.0, 1e6)
+    assert (cfg.local_rope.rope_type, cfg.local_rope.theta) == ("default", 1e4)
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ __all__ = [
     "is_gguf",
     "model_info",
     "parse_base",
+    "parse_rope",
     "layer_windows",
     "qwen_windows",
     "raw_config",
@@ -183,7 +184,7 @@ def _eos_ids(value: Any) -> list[int]:
     return []
 
 
-def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: float) -> RopeConfig:
+def parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: float) -> RopeConfig:
     """RoPE settings from transformers-5 ``rope_parameters`` or legacy ``rope_theta``/``rope_scaling``."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
@@ -352,7 +353,7 @@ def parse_base(
             f"invalid config.json {path}: sliding windows {window!r} for {num_layers} layers"
         )
     windows = windows if any(windows) else ()
-    rope = _parse_rope(raw, path, max_pos, rope_theta)
+    rope = parse_rope(raw, path, max_pos, rope_theta)
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,

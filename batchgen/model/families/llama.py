@@ -116,15 +116,18 @@ def layer_plans(
     meta: AttentionMetadata,
     kv_cache: Tensor,
     dtype: torch.dtype,
+    softcap: float | None = None,
 ) -> list[Any]:
     """Each layer's attention plan of the step, prepared once per distinct window (in the
-    model's ``dtype``, which a quantized cache's is not)."""
+    model's ``dtype``, which a quantized cache's is not; ``softcap``: the model's attention
+    logit cap)."""
     plans: dict[int | None, Any] = {}
     out = []
     for i in range(cfg.num_layers):
         w = cfg.window(i)
         if w not in plans:
-            plans[w] = attention.prepare(meta, kv_cache, cfg.num_heads, dtype, window=w)
+            extra = {} if softcap is None else {"softcap": softcap}
+            plans[w] = attention.prepare(meta, kv_cache, cfg.num_heads, dtype, window=w, **extra)
         out.append(plans[w])
     return out
 
@@ -227,13 +230,23 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_model_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, attention, layers, self.make_mlp(cfg, i, layers))
-            for i in range(cfg.num_layers)
+            self.make_layer(cfg, i, attention, layers) for i in range(cfg.num_layers)
         )
-        self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, layers)
+        self.norm = self.make_norm(cfg, layers)
         self.lm_head: Linear | PackedLinear | OneDnnLinear | None = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+
+    def make_layer(
+        self, cfg: ModelConfig, index: int, attention: AttentionBackend[Any], layers: LayerBackend
+    ) -> nn.Module:
+        """Decoder layer ``index`` (another family's block overrides this)."""
+        return LlamaDecoderLayer(cfg, attention, layers, self.make_mlp(cfg, index, layers))
+
+    @staticmethod
+    def make_norm(cfg: ModelConfig, layers: LayerBackend) -> nn.Module:
+        """The final norm."""
+        return rms_norm(cfg.hidden_size, cfg.rms_norm_eps, layers)
 
     @staticmethod
     def make_mlp(cfg: ModelConfig, index: int, layers: LayerBackend) -> nn.Module:
