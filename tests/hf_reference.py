@@ -90,6 +90,26 @@ WINDOW_ARCHS: dict[str, dict] = {
     ),
 }
 
+# Phi-3 with a window of 16, half of each head rotated and LongRoPE from position 32 on (its
+# logits past 32 are transformers' as generation computes them: hf_logits_decoding)
+PHI3: dict = dict(
+    arch="phi3",
+    num_heads=4,
+    num_kv_heads=2,
+    max_position_embeddings=128,
+    config_overrides=dict(
+        sliding_window=16,
+        original_max_position_embeddings=32,
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.5,
+            short_factor=[1.0, 1.3, 2.1, 3.7],
+            long_factor=[1.7, 2.9, 4.3, 9.1],
+        ),
+    ),
+)
+
 
 def hf_model(model: str | Path, dtype: torch.dtype = torch.float32):
     """transformers' model of a model folder, or of a ``.gguf`` file (read by transformers' own
@@ -116,6 +136,24 @@ def hf_greedy(model_dir: Path, prompt_ids: list[list[int]], max_new: int) -> lis
                 x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new
             )
         outs.append(y[0, len(ids) :].tolist())
+    return outs
+
+
+def hf_logits_decoding(model_dir: Path, seqs: list[list[int]], prompt: int) -> list[torch.Tensor]:
+    """transformers' teacher-forced logits of each sequence alone as generation computes them:
+    the first ``prompt`` tokens in one forward pass, then one token per pass through its cache
+    (for RoPE types whose tables depend on the pass's length: LongRoPE)."""
+    hf = hf_model(model_dir)
+    outs = []
+    with torch.no_grad():
+        for s in seqs:
+            first = hf(torch.tensor([s[:prompt]]), use_cache=True)
+            rows, cache = [first.logits[0]], first.cache
+            for tok in s[prompt:]:
+                step = hf(torch.tensor([[tok]]), cache=cache, use_cache=True)
+                rows.append(step.logits[0])
+                cache = step.cache
+            outs.append(torch.cat(rows).float())
     return outs
 
 

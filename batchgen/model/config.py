@@ -36,7 +36,7 @@ __all__ = [
     "raw_config",
 ]
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,12 @@ class RopeConfig:
     # per-pair divisors of the inverse frequencies [head_dim/2], applied before the scaling type
     # (a GGUF file's rope_freqs.weight: how llama.cpp stores Llama 3.1-style scaling)
     freq_factors: tuple[float, ...] | None = None
+    # the fraction of each head's dimensions that is rotated (the first ones)
+    partial_rotary_factor: float = 1.0
+    # longrope: per-pair divisors for positions below original_max_position_embeddings (short)
+    # and from there on (long)
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,11 @@ class ModelConfig:
     # per layer: the attention window W (the layer's query at position p sees keys p-W+1..p),
     # 0 for full causal attention; empty: every layer full
     windows: tuple[int, ...] = ()
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s attention window, None for full causal attention."""
@@ -201,9 +212,7 @@ def parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: flo
         raise ModelError(
             f"unsupported rope type {rope_type!r} in {path}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ModelError(f"unsupported partial_rotary_factor {partial} in {path}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0
     theta = params.get("rope_theta", raw.get("rope_theta")) or default_theta
     # the pre-training length that llama3/yarn scale from (HF's default: max_position_embeddings)
     original = (
@@ -213,8 +222,10 @@ def parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: flo
     )
     factor = params.get("factor")
     try:
-        if rope_type == "yarn" and factor is None:
+        if rope_type in ("yarn", "longrope") and factor is None:
             factor = max_pos / (original or max_pos)
+        if rope_type == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
+            raise ModelError(f"invalid config.json {path}: longrope needs short_factor and long_factor")
         if rope_type in ("linear", "dynamic", "llama3", "yarn") and factor is None:
             raise ModelError(f"invalid config.json {path}: rope type {rope_type!r} needs 'factor'")
         return RopeConfig(
@@ -231,6 +242,9 @@ def parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: flo
             mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
             truncate=bool(params.get("truncate", True)),
             freq_factors=_opt_floats(params.get("freq_factors")),
+            partial_rotary_factor=float(partial),
+            short_factor=_opt_floats(params.get("short_factor")),
+            long_factor=_opt_floats(params.get("long_factor")),
         )
     except (TypeError, ValueError) as err:
         raise ModelError(f"invalid rope parameters in {path}: {one_line(err)}") from None
@@ -311,10 +325,12 @@ def parse_base(
     window: int | tuple[int, ...] | None,
     rope_theta: float = 10000.0,
     rms_norm_eps: float = 1e-6,
+    partial_rotary: bool = False,
 ) -> ModelConfig:
     """The checks and fields every architecture shares, from a config.json object: sizes,
     heads, head_dim, activation (silu), length, RoPE. ``max_position_embeddings``,
-    ``rope_theta`` and ``rms_norm_eps`` are the architecture's defaults for configs that leave them out; ``window``
+    ``rope_theta`` and ``rms_norm_eps`` are the architecture's defaults for configs that leave them out
+    (``partial_rotary``: whether the architecture rotates part of each head); ``window``
     is the attention window the architecture reads from the config: one for every layer, or
     per layer (0: full attention), or None (no window). Biases,
     q/k norms and experts are off: the architecture's parser turns them on
@@ -354,6 +370,19 @@ def parse_base(
         )
     windows = windows if any(windows) else ()
     rope = parse_rope(raw, path, max_pos, rope_theta)
+    rotated = head_dim * rope.partial_rotary_factor
+    if rope.partial_rotary_factor != 1.0 and (
+        not partial_rotary or rotated != int(rotated) or int(rotated) % 2 or rotated <= 0
+    ):
+        raise ModelError(
+            f"unsupported partial_rotary_factor {rope.partial_rotary_factor} in {path}"
+        )
+    for factors in (rope.short_factor, rope.long_factor):
+        if factors is not None and len(factors) != int(rotated) // 2:
+            raise ModelError(
+                f"invalid config.json {path}: {len(factors)} longrope factors for "
+                f"{int(rotated)} rotated dimensions"
+            )
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,

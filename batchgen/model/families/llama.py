@@ -71,6 +71,7 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.attention = attention
         self.rope_ = rotation(layers)
+        self.rotary_dim = cfg.rotary_dim  # the first dimensions of each head; < D: partial
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, layers) if cfg.qk_norm else None
@@ -98,7 +99,11 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         if self.q_norm is None:
             # q and k rotated together, in place in qkv (ours alone)
-            qk = self.rope_(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
+            if self.rotary_dim < d:
+                self.rope_(qk[..., : self.rotary_dim], cos, sin)
+            else:
+                self.rope_(qk, cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         else:
             assert self.k_norm is not None
@@ -228,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         self.attention = attention
         self.layer_backend = layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_model_len)
+        self.rotary = Rotary(cfg.rope, cfg.rotary_dim, cfg.max_model_len)
         self.layers = nn.ModuleList(
             self.make_layer(cfg, i, attention, layers) for i in range(cfg.num_layers)
         )
