@@ -319,6 +319,9 @@ def _(tmp: Path, model: Path) -> tuple[Path, list[str], list[str]]:
         "Qwen3MoeForCausalLM",
         "Qwen2MoeForCausalLM",
         "MixtralForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
     ]
     return with_job(tmp, m), [], needles
 
