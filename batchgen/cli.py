@@ -1,7 +1,7 @@
 """The ``batchgen`` command: run, run-batch, validate, status.
 
 A view only: parse the command line, load the job, call the runner, and map what comes back to
-SPEC's exit codes:
+the exit codes of docs/job-file.md:
 
 - 0: done.
 - 2: the job, its input or its model is invalid (a BatchgenError): one line ``error: ...``.
@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 import click
 
 from batchgen.errors import BatchgenError, OutputFullError
-from batchgen.job import Job, apply_override, load_job, parse_job
+from batchgen.job import Job
+from batchgen.jobfile import apply_override, load_job, parse_job
 from batchgen.layout import LOGS_PREFIX
 from batchgen.signals import EXIT_INTERRUPTED, Interrupted, exit_at_once
 
@@ -78,7 +79,7 @@ def _write_traceback(exc: BaseException, log_dir: Path | None) -> Path:
 
 
 class _ErrorGuard:
-    """Turns exceptions raised inside a command into SPEC's exit codes and one stderr line.
+    """Turns exceptions raised inside a command into the documented exit codes and one stderr line.
 
     Set ``log_dir`` as soon as the output folder is known, so a traceback lands next to the
     results it concerns.

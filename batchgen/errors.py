@@ -1,6 +1,6 @@
-"""Errors that the CLI turns into one clear line: exit code 2 for a BatchgenError (SPEC: "the job,
-its input or its model is invalid"), 1 for an OutputFullError. Anything else is a bug: exit 1 with
-a log file."""
+"""Errors that the CLI turns into one clear line: exit code 2 for a BatchgenError
+(docs/job-file.md: "the job, its input or its model is invalid"), 1 for an OutputFullError.
+Anything else is a bug: exit 1 with a log file."""
 
 from __future__ import annotations
 

@@ -1,37 +1,29 @@
-"""The job file: its schema, defaults, ``--set`` overrides, validation and fingerprint.
+"""The job file's schema: every key, its type, its default and the rules between keys.
 
-The schema mirrors SPEC "The job file" key for key. Every model forbids unknown keys and is
-frozen: a job, once loaded, is never written back (numbers derived at run time are returned by
-whoever derives them). Types are strict, because YAML already gives every value a type: ``n: "2"``
-or ``temperature: true`` is a mistake to report, not a value to coerce.
+The schema mirrors the job-file reference (docs/job-file.md) key for key. Every model forbids
+unknown keys and is frozen: a job, once loaded, is never written back (numbers derived at run time
+are returned by whoever derives them). Types are strict, because YAML already gives every value a
+type: ``n: "2"`` or ``temperature: true`` is a mistake to report, not a value to coerce.
 
-Every problem becomes a :class:`~batchgen.errors.JobError` whose message is one line that names
-the key, e.g. ``unknown key 'sampling.temprature' (did you mean 'temperature'?)``.
+Reading a file, ``--set`` overrides and the one-line error messages are :mod:`batchgen.jobfile`'s.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
 import re
-import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     PlainValidator,
-    ValidationError,
     field_validator,
     model_validator,
 )
-
-from batchgen.errors import JobError
 
 # --------------------------------------------------------------------------- value types
 
@@ -136,7 +128,7 @@ def _path_or_uri(value: Any) -> Any:
 # A local folder (a Path) or an object-store prefix (an ``s3://`` string).
 PathOrUri = Annotated[Path | str, PlainValidator(_path_or_uri)]
 # A hub id: org/name, each part letters, digits, '-', '_', '.' (not starting with '.').
-_HUB_ID_RE = re.compile(r"^[A-Za-z0-9_-][\w.-]*/[A-Za-z0-9_-][\w.-]*$")
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9_-][\w.-]*/[A-Za-z0-9_-][\w.-]*$")
 
 
 class _Section(BaseModel):
@@ -148,23 +140,6 @@ class _Section(BaseModel):
 # --------------------------------------------------------------------------- the schema
 
 
-# Sampling keys a row may override (input.sampling_columns). Not logprobs (it decides the output
-# columns) nor structured (input.schema_column is the per-row constraint).
-ROW_SAMPLING_KEYS: tuple[str, ...] = (
-    "n",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "seed",
-)
 # Input keys an OpenAI batch file decides itself.
 OPENAI_BATCH_FIXED = (
     "prompt_column",
@@ -181,14 +156,14 @@ class InputConfig(_Section):
 
     Exactly one of ``prompt_column`` and ``messages_column`` is set. ``prompt_column`` defaults
     to ``"prompt"`` unless ``messages_column`` is given. ``path`` is a string, not a Path,
-    because it may be a glob; after :func:`load_job` it is absolute.
+    because it may be a glob; after :func:`~batchgen.jobfile.load_job` it is absolute.
 
     ``format``: ``auto`` reads the format from the file extensions (or a folder's files);
     ``openai_batch`` reads OpenAI Batch API request lines and fixes the column keys itself (giving
     one is an error). ``sampling_columns`` maps a key of :data:`ROW_SAMPLING_KEYS` to the input
     column whose non-null values override it for their row.
 
-    Extension (not in SPEC): ``window_rows``, the number of rows read, tokenized and ordered by
+    Extension (docs/job-file.md): ``window_rows``, the number of rows read, tokenized and ordered by
     shared prefix together. Larger windows find more shared prefixes and hold more rows in
     memory. It does not change results, so it is not in the fingerprint.
     """
@@ -249,7 +224,7 @@ class InputConfig(_Section):
 class OutputConfig(_Section):
     """``output:``: the results folder.
 
-    Extensions (not in SPEC): finished rows are committed to disk (a new part file and the
+    Extensions (docs/job-file.md): finished rows are committed to disk (a new part file and the
     manifest) once ``commit_rows`` output rows are buffered or ``commit_seconds`` have passed
     since the last commit, whichever comes first. They bound the work lost to a crash; they do
     not change results and are not in the fingerprint.
@@ -349,12 +324,22 @@ class SamplingConfig(_Section):
     structured: StructuredConfig | None = None
 
 
+# Sampling keys a row may override (input.sampling_columns): every key of ``sampling:`` but these.
+# Not logprobs (it decides the output columns) nor structured (input.schema_column is the per-row
+# constraint).
+JOB_ONLY_SAMPLING_KEYS = ("logprobs", "structured")
+ROW_SAMPLING_KEYS: tuple[str, ...] = tuple(
+    key for key in SamplingConfig.model_fields if key not in JOB_ONLY_SAMPLING_KEYS
+)
+
+
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 class EngineConfig(_Section):
     """``engine:``: how the work is done. Not in the fingerprint, a job may resume with others,
-    except the numerics it resolves to (``dtype`` and ``kv_cache_dtype``, see :func:`numerics`).
+    except the numerics it resolves to (``dtype`` and ``kv_cache_dtype``, see
+    :func:`batchgen.fingerprint.numerics`).
 
     ``kv_cache_memory`` is a positive int of bytes or ``"auto"`` after validation.
     """
@@ -432,7 +417,7 @@ class StorageConfig(_Section):
     (``AWS_ENDPOINT_URL``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``). Credentials are never
     keys here: they come from AWS's usual chain (``AWS_ACCESS_KEY_ID`` /
     ``AWS_SECRET_ACCESS_KEY``, a profile, an instance role), so they never reach the output
-    folder or the fingerprint. Extension (not in SPEC): ``lease_seconds``, how long a writer's
+    folder or the fingerprint. Extension (docs/job-file.md): ``lease_seconds``, how long a writer's
     lease on an ``s3://`` output stays valid without renewal (see batchgen.storage.ObjectLease).
     None of it is in the fingerprint.
     """
@@ -445,9 +430,9 @@ class StorageConfig(_Section):
 class Job(_Section):
     """A whole job file. ``model``, ``input.path`` and ``output.path`` are required.
 
-    After :func:`load_job`, ``input.path`` and ``output.path`` are absolute (or ``s3://``
-    URIs), and ``model`` is absolute, unless it is a hub id (``org/name`` that names no local
-    path), which stays relative and is resolved by :func:`batchgen.model.loader.resolve_model`
+    After :func:`~batchgen.jobfile.load_job`, ``input.path`` and ``output.path`` are absolute (or
+    ``s3://`` URIs), and ``model`` is absolute, unless it is a hub id (``org/name`` that names no
+    local path), which stays relative and is resolved by :func:`batchgen.model.hub.resolve_model`
     (with ``revision``: a branch, tag or commit).
     """
 
@@ -464,7 +449,7 @@ class Job(_Section):
     def hub_id(self) -> str | None:
         """``model`` as a hub id (``org/name``), None when it is a local folder."""
         text = self.model.as_posix()
-        return text if not self.model.is_absolute() and _HUB_ID_RE.match(text) else None
+        return text if not self.model.is_absolute() and HUB_ID_RE.match(text) else None
 
     @model_validator(mode="after")
     def _json_layout_needs_json(self) -> Job:
@@ -489,240 +474,6 @@ class Job(_Section):
         return data
 
 
-# --------------------------------------------------------------------------- loading
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe YAML loader that rejects a key given twice in one mapping (PyYAML keeps the last,
-    silently, which hides exactly the kind of mistake the job file must not hide)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _yaml_error_line(err: yaml.YAMLError) -> str:
-    """One line out of PyYAML's multi-line message, with the (1-based) line and column."""
-    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-    if mark is not None:
-        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
-    return problem
-
-
-def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Job:
-    """Read a job file, apply ``--set KEY=VALUE`` overrides, validate, resolve relative paths.
-
-    Overrides use dotted keys (``engine.block_size=32``); the value is parsed as YAML, so
-    ``sampling.stop=["\\n"]`` sets a list. Relative paths (``model``, ``input.path``,
-    ``output.path``), also those given by ``--set``, resolve against the job file's folder.
-
-    Raises JobError (one line naming the file or key) for any problem.
-    """
-    job_path = Path(path)
-    try:
-        text = job_path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise JobError(f"job file {job_path} not found") from None
-    except IsADirectoryError:
-        raise JobError(f"job file {job_path} is a folder, not a YAML file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise JobError(f"cannot read job file {job_path}: {err}") from None
-    try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        raise JobError(f"job file {job_path}: invalid YAML at {_yaml_error_line(err)}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise JobError(
-            f"job file {job_path}: expected a mapping of keys (model, input, output, ...), "
-            f"got a {type(raw).__name__}"
-        )
-    for override in overrides:
-        raw = apply_override(raw, override)
-    job = parse_job(raw, source=str(job_path))
-    return _resolve_paths(job, job_path.absolute().parent)
-
-
-def parse_job(raw: Mapping[str, Any], source: str = "job") -> Job:
-    """Validate a job given as a dict (paths are left as given). Raises JobError."""
-    try:
-        return Job.model_validate(raw)
-    except ValidationError as err:
-        # An unknown key first: a typo ("modle") also makes the key it misspells "missing", and
-        # the unknown key, with its suggestion, is the line that tells the user what to fix.
-        errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
-        line = _format_error(errors[0])
-        if len(errors) > 1:
-            more = len(errors) - 1
-            line += f" (and {more} more problem{'s' if more > 1 else ''})"
-        raise JobError(f"{source}: {line}") from None
-
-
-def apply_override(raw: dict[str, Any], override: str) -> dict[str, Any]:
-    """Return a copy of ``raw`` with one ``KEY=VALUE`` override applied (see :func:`load_job`).
-
-    The key must name a key of the schema (so a typo fails here, with a suggestion); the value
-    is validated later with the rest of the job.
-    """
-    key, sep, text = override.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise JobError(f"--set {override!r}: expected KEY=VALUE, e.g. engine.block_size=32")
-    parts = key.split(".")
-    model: type[BaseModel] | None = Job
-    for depth, part in enumerate(parts):
-        if model is None or part not in _keys(model):
-            prefix = ".".join(parts[:depth])
-            raise JobError(f"--set {override!r}: {_unknown_key(prefix, part, model)}")
-        model = _submodel(_keys(model)[part].annotation)
-    try:
-        value = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        raise JobError(f"--set {override!r}: invalid YAML value: {_yaml_error_line(err)}") from None
-    if value is None and text.strip() not in ("", "~", "null", "Null", "NULL"):
-        value = text  # e.g. "sampling.stop=###": YAML reads a comment, the user means the text
-
-    result = dict(raw)
-    node = result
-    for part in parts[:-1]:
-        child = node.get(part)
-        # A section given as null (or something else) is replaced by a fresh mapping: the
-        # override names a key inside it, so the user means a mapping there.
-        child = dict(child) if isinstance(child, dict) else {}
-        node[part] = child
-        node = child
-    node[parts[-1]] = value
-    return result
-
-
-def _resolve_paths(job: Job, base: Path) -> Job:
-    """Make ``model``, ``input.path``, ``output.path`` and
-    ``sampling.structured.json_schema_file`` absolute, relative to ``base``."""
-
-    def absolute(p: str | Path) -> str:
-        if isinstance(p, str) and p.startswith("s3://"):
-            return p
-        return os.path.normpath(base / Path(p).expanduser())
-
-    def model_path(p: Path) -> Path:
-        # org/name that is not a local path is a hub id: kept as given (a .gguf is a file)
-        local = Path(absolute(p))
-        text = p.as_posix()
-        hub = _HUB_ID_RE.match(text) and p.suffix.lower() != ".gguf"
-        if not p.is_absolute() and hub and not local.exists():
-            return p
-        return local
-
-    sampling = job.sampling
-    structured = sampling.structured
-    if structured is not None and structured.json_schema_file is not None:
-        schema_file = Path(absolute(structured.json_schema_file))
-        structured = structured.model_copy(update={"json_schema_file": schema_file})
-        sampling = sampling.model_copy(update={"structured": structured})
-    return job.model_copy(
-        update={
-            "model": model_path(job.model),
-            "input": job.input.model_copy(update={"path": absolute(job.input.path)}),
-            "output": job.output.model_copy(
-                update={"path": _as_output_path(absolute(job.output.path))}
-            ),
-            "sampling": sampling,
-        }
-    )
-
-
-def _as_output_path(text: str) -> Path | str:
-    return text if text.startswith("s3://") else Path(text)
-
-
-# --------------------------------------------------------------------------- error lines
-
-
-def _submodel(annotation: Any) -> type[BaseModel] | None:
-    """The section model behind a field's annotation (also an optional one), or None for a
-    leaf value."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    models = [a for a in typing.get_args(annotation) if _submodel(a) is not None]
-    return models[0] if len(models) == 1 else None
-
-
-def _keys(model: type[BaseModel]) -> dict[str, Any]:
-    """The keys of a section as the job file spells them (aliases), each with its field."""
-    return {field.alias or name: field for name, field in model.model_fields.items()}
-
-
-def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
-    """The section model reached by following ``loc`` from the top of the job."""
-    model: type[BaseModel] | None = Job
-    for part in loc:
-        if model is None or not isinstance(part, str) or part not in _keys(model):
-            return None
-        model = _submodel(_keys(model)[part].annotation)
-    return model
-
-
-def _unknown_key(prefix: str, name: str, model: type[BaseModel] | None) -> str:
-    """``unknown key 'a.b' (did you mean 'c'?)``, or the valid keys when nothing is close."""
-    full = f"{prefix}.{name}" if prefix else name
-    if model is None:
-        return f"unknown key '{full}' ('{prefix}' has no sub-keys)"
-    valid = list(_keys(model))
-    close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.6)
-    if close:
-        return f"unknown key '{full}' (did you mean '{close[0]}'?)"
-    return (
-        f"unknown key '{full}' (valid keys{' of ' + prefix if prefix else ''}: {', '.join(valid)})"
-    )
-
-
-def _loc_str(loc: Sequence[str | int]) -> str:
-    """``('sampling', 'stop', 0)`` -> ``sampling.stop[0]``."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _format_error(err: Mapping[str, Any]) -> str:
-    """One pydantic error as one line naming the key."""
-    loc = tuple(err["loc"])
-    key = _loc_str(loc)
-    if err["type"] == "extra_forbidden":
-        parent = loc[:-1]
-        return _unknown_key(_loc_str(parent), str(loc[-1]), _model_at(parent))
-    if err["type"] == "missing":
-        return f"missing required key '{key}'"
-    msg = str(err["msg"])
-    msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    # Pydantic says "Input should be ...": "input" is also a section of ours, so say "must be".
-    for lead in ("Input should", "String should", "List should", "Tuple should"):
-        if msg.startswith(lead):
-            msg = "must" + msg[len(lead) :]
-    msg = msg.replace("a valid tuple", "a list")  # YAML users write lists
-    msg = re.sub(r"a valid dictionary or instance of \w+", "a mapping of keys", msg)
-    msg = msg[:1].lower() + msg[1:]
-    value = err.get("input")
-    shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    if key:
-        return f"{key}: {msg} (got {shown})" if not isinstance(value, Mapping) else f"{key}: {msg}"
-    return msg
-
-
 __all__ = [
     "EngineConfig",
     "ExecutorConfig",
@@ -735,8 +486,5 @@ __all__ = [
     "SamplingConfig",
     "StorageConfig",
     "StructuredConfig",
-    "apply_override",
-    "load_job",
-    "parse_job",
     "parse_memory",
 ]

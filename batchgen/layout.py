@@ -2,7 +2,7 @@
 ``.batchgen/`` folder that holds everything else, on local disks and object stores alike.
 
     part-00000.parquet            the results: the only visible files of the folder
-    .batchgen/manifest.json       which parts are committed (batchgen/results.py)
+    .batchgen/manifest.json       which parts are committed (batchgen/results/)
     .batchgen/report.json         written when a job ends
     .batchgen/staging/            parts being written, not yet under their final name
     .batchgen/lock                locked (flock) while a job writes a local folder

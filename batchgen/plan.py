@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from batchgen.engine.engine import EngineConfig
+from batchgen.engine.engine import EngineSettings
 from batchgen.engine.request import SamplingParams
 from batchgen.errors import JobError
 from batchgen.fingerprint import numerics
@@ -160,7 +160,7 @@ _LEGACY_AUTO = {"cuda": torch.bfloat16, "cpu": torch.float32}
 
 
 def job_numerics(job: Job, folder: Path) -> tuple[str, tuple[str, ...]]:
-    """The numerics for the job's fingerprint (:func:`~batchgen.job.numerics`), and the
+    """The numerics for the job's fingerprint (:func:`~batchgen.fingerprint.numerics`), and the
     fingerprint keys an output folder may lack (``adopt`` of :meth:`OutputFolder.open`).
 
     Resolved as :func:`resolve_placement` does. Ray workers resolve their own placement: with an
@@ -275,9 +275,9 @@ def max_model_len(job: Job, info: ModelInfo, num_blocks: int) -> int:
     return min(limit, num_blocks * job.engine.block_size)
 
 
-def engine_config(job: Job, place: Placement, num_blocks: int, length: int) -> EngineConfig:
+def engine_settings(job: Job, place: Placement, num_blocks: int, length: int) -> EngineSettings:
     eng = job.engine
-    return EngineConfig(
+    return EngineSettings(
         block_size=eng.block_size,
         num_blocks=num_blocks,
         max_num_seqs=eng.max_num_seqs,
@@ -299,23 +299,9 @@ def resolve_overlap(setting: str, device: torch.device) -> bool:
 
 
 def sampling_params(job: Job) -> SamplingParams:
-    s = job.sampling
-    return SamplingParams(
-        n=s.n,
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        seed=s.seed,
-        logprobs=s.logprobs,
-    )
+    """The engine's sampling parameters: every field of :class:`SamplingParams` taken from the
+    job's ``sampling:`` section of the same name (``structured`` is compiled apart)."""
+    return SamplingParams(**{f.name: getattr(job.sampling, f.name) for f in fields(SamplingParams)})
 
 
 def describe_engine(job: Job, info: ModelInfo, place: Placement) -> list[str]:

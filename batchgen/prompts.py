@@ -20,6 +20,7 @@ from batchgen.dataset import InputRow
 from batchgen.engine.request import SamplingParams
 from batchgen.errors import JobError, ModelError
 from batchgen.job import ROW_SAMPLING_KEYS, Job, SamplingConfig
+from batchgen.jobfile import pydantic_message
 from batchgen.model.config import ModelInfo
 from batchgen.structured import RowSchemaError, StructuredOutputs
 
@@ -189,10 +190,7 @@ def row_sampling(overrides: Mapping[str, Any], labels: Mapping[str, str]) -> dic
         first = err.errors()[0]
         key = str(first["loc"][0]) if first["loc"] else next(iter(values))
         label = labels.get(key, key)
-        msg = str(first["msg"]).removeprefix("Value error, ")
-        for lead in ("Input should", "String should", "Tuple should", "List should"):
-            msg = msg.replace(lead, "must")
-        msg = msg.replace("a valid tuple", "a list")
+        msg = pydantic_message(first)
         raise RowProblem(f"{label}: {msg} (got {values.get(key)!r})") from None
     return {key: getattr(checked, key) for key in values}
 

@@ -1,4 +1,5 @@
-"""The output rows: SPEC's columns, their Arrow schema, the typed row builders, and the totals.
+"""The output rows: the columns of docs/job-file.md, their Arrow schema, the typed row builders,
+and the totals.
 
 One input row yields one :data:`RowGroup`: its ``n`` output rows (dicts keyed by column name),
 built here and nowhere else, committed whole by :mod:`batchgen.results`. :class:`Totals` counts
@@ -15,7 +16,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-# Output columns, in SPEC order (keep_columns follow). Input keep_columns may not reuse these.
+# Output columns, in the documented order (keep_columns follow). Input keep_columns may not reuse
+# these.
 RESULT_COLUMNS: tuple[str, ...] = (
     "id",
     "sample_index",
@@ -39,7 +41,7 @@ RowGroup = list[dict[str, Any]]
 def output_schema(
     id_type: pa.DataType, keep_fields: Sequence[pa.Field], logprobs: bool
 ) -> pa.Schema:
-    """The schema of every part file: SPEC's columns in order, then the keep columns."""
+    """The schema of every part file: the documented columns in order, then the keep columns."""
     columns = [
         pa.field("id", id_type, nullable=False),
         pa.field("sample_index", pa.int32(), nullable=False),

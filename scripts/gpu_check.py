@@ -12,9 +12,10 @@ informative) and its figures. Checks:
   (transformers' own top two within 1e-3 of each other). bf16: identical-token share and
   first-divergence positions (statistical; reported, loosely bounded).
 - ``kv_sizing``: the measured activation peak and the KV budget ``kv_cache_memory: auto`` gives.
-- ``throughput``: a workload like A of BENCH.md (a ~500-token shared system prompt + 16-64 unique
-  tokens, n=4, 64 new tokens) on the 8B-geometry model in bf16: engine output tokens/s against
-  transformers ``generate`` (batches of 64 prompts, left padding, ``num_return_sequences=4``).
+- ``throughput``: a workload like A of docs/performance.md (a ~500-token shared system prompt +
+  16-64 unique tokens, n=4, 64 new tokens) on the 8B-geometry model in bf16: engine output tokens/s
+  against transformers ``generate`` (batches of 64 prompts, left padding,
+  ``num_return_sequences=4``).
 - ``profile``: device-busy time against wall time over decode steps, and the top kernels.
 - ``variants``: binaries each Triton kernel compiled over the run (its JIT cache).
 - ``graphs``: ``engine.cuda_graphs`` on against off: the same greedy tokens, decode time.
@@ -137,7 +138,7 @@ def make_engine(model_dir: Path, device: Any, dtype: Any, num_blocks: int | None
     """A Triton-backend engine (as the runner builds it), KV sized as ``auto`` does on CUDA."""
     import torch
 
-    from batchgen.engine.engine import Engine, EngineConfig
+    from batchgen.engine.engine import Engine, EngineSettings
     from batchgen.model.attention import make_attention_backend
     from batchgen.model.loader import load_model
 
@@ -156,7 +157,7 @@ def make_engine(model_dir: Path, device: Any, dtype: Any, num_blocks: int | None
         num_blocks = budget // (info.kv_bytes_per_token(dtype) * 16)
         sizing = dict(activation_peak=peak, free=free, total=total, kv_budget=budget,
                       num_blocks=num_blocks)  # fmt: skip
-    config = EngineConfig(
+    config = EngineSettings(
         block_size=16,
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs,

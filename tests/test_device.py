@@ -78,7 +78,7 @@ def test_cuda_graphs_on_is_refused_on_a_cpu(tiny_model, tmp_path) -> None:
 def test_cuda_graphs_and_overlap_read_yaml_booleans(tmp_path) -> None:
     """``cuda_graphs: off`` / ``on`` unquoted are YAML booleans; they mean the words (the same
     for ``overlap``)."""
-    from batchgen.job import load_job
+    from batchgen.jobfile import load_job
     from tests.jobkit import write_job_file
 
     for key in ("cuda_graphs", "overlap"):

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from batchgen.engine.engine import Engine, EngineConfig
+from batchgen.engine.engine import Engine, EngineSettings
 from batchgen.engine.noise import rng_key
 from batchgen.engine.request import FinishReason, Request, SampleTarget, SamplingParams
 from batchgen.model.attention import make_attention_backend
@@ -34,7 +34,7 @@ def make_engine(model_dir, backend="torch", detokenize=None, **overrides) -> Eng
     return Engine(
         model,
         info,
-        EngineConfig(**cfg),
+        EngineSettings(**cfg),
         device=CPU,
         dtype=torch.float32,
         detokenize=detokenize,
@@ -207,7 +207,7 @@ def test_stop_strings_of_multi_token_characters(tiny_model):
     successor |= {emoji[2]: emoji[3], emoji[3]: emoji[0]}
     # "x" -> "hiéééé..." and "y" -> "ok😀😀😀..."
     _, info = load_model(model_dir, CPU, torch.float32, make_attention_backend("torch"))
-    cfg = EngineConfig(
+    cfg = EngineSettings(
         block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=512
     )
     engine = Engine(

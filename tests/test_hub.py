@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.errors import JobError, ModelError
-from batchgen.job import load_job
+from batchgen.jobfile import load_job
 from batchgen.model.hub import hub_cache_dir, localize, resolve_model
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import invoke, one_line, read_results, run_cli, write_job, write_job_file

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from batchgen.errors import JobError
 from batchgen.fingerprint import describe_fingerprint_mismatch, fingerprint
-from batchgen.job import Job, load_job, parse_memory
+from batchgen.job import Job, parse_memory
+from batchgen.jobfile import load_job
 from tests.jobkit import write_job_file
 
 MINIMAL = "model: models/tiny\ninput:\n  path: data/p.parquet\noutput:\n  path: out/run\n"
@@ -37,9 +38,9 @@ def error_of(tmp_path: Path, extra: dict | None = None, overrides=()) -> str:
 # --------------------------------------------------------------------------- defaults, paths
 
 
-# The defaults SPEC.md's job file lists, written out here (not taken from the code), for every
+# The defaults docs/job-file.md lists, written out here (not taken from the code), for every
 # key batchgen implements: a key added without its default here fails the tests below.
-SPEC_INPUT = {
+DOCUMENTED_INPUT = {
     "prompt_column": "prompt",
     "messages_column": None,
     "id_column": "id",
@@ -49,8 +50,8 @@ SPEC_INPUT = {
     "sampling_columns": {},
     "window_rows": 10000,
 }
-SPEC_OUTPUT = {"commit_rows": 1000, "commit_seconds": 5.0}
-SPEC_SAMPLING = {
+DOCUMENTED_OUTPUT = {"commit_rows": 1000, "commit_seconds": 5.0}
+DOCUMENTED_SAMPLING = {
     "n": 1,
     "max_tokens": 256,
     "temperature": 1.0,
@@ -67,7 +68,7 @@ SPEC_SAMPLING = {
     "logprobs": False,
     "structured": None,
 }
-SPEC_ENGINE = {
+DOCUMENTED_ENGINE = {
     "device": "auto",
     "dtype": "auto",
     "kv_cache_dtype": "auto",
@@ -80,19 +81,19 @@ SPEC_ENGINE = {
     "attention_backend": "auto",
     "prefix_caching": True,
     "cuda_graphs": "off",
-    "overlap": "auto",  # not in SPEC: launch steps ahead of the token readback (CUDA)
+    "overlap": "auto",  # launch steps ahead of the token readback (CUDA)
 }
 
 
 def assert_spec_defaults(job: Job) -> None:
-    assert job.sampling.model_dump() == SPEC_SAMPLING
-    assert job.engine.model_dump() == SPEC_ENGINE
+    assert job.sampling.model_dump() == DOCUMENTED_SAMPLING
+    assert job.engine.model_dump() == DOCUMENTED_ENGINE
 
 
 def test_defaults_follow_spec(tmp_path: Path) -> None:
     job = load_job(write_job_file(tmp_path, MINIMAL))
-    assert job.input.model_dump(exclude={"path"}) == SPEC_INPUT
-    assert job.output.model_dump(exclude={"path"}) == SPEC_OUTPUT
+    assert job.input.model_dump(exclude={"path"}) == DOCUMENTED_INPUT
+    assert job.output.model_dump(exclude={"path"}) == DOCUMENTED_OUTPUT
     assert_spec_defaults(job)
 
 
@@ -578,3 +579,22 @@ def test_fingerprint_records_json_layout(tmp_path: Path) -> None:
     assert sampling_fp({"json_layout": "compact"}, rows) == BEFORE_JSON_LAYOUT["schema_column"]
     # constraints that are not JSON keep their fingerprints
     assert sampling_fp({"regex": "[ab]+"}) == BEFORE_JSON_LAYOUT_REGEX
+
+
+def test_the_engine_sampling_params_mirror_the_sampling_section() -> None:
+    # plan.sampling_params copies every SamplingParams field from sampling: by name, so each must
+    # exist there with the same default; what only the job has is listed in JOB_ONLY_SAMPLING_KEYS
+    # or compiled apart (structured).
+    from dataclasses import fields
+
+    from batchgen.engine.request import SamplingParams
+    from batchgen.job import ROW_SAMPLING_KEYS, SamplingConfig
+
+    defaults = SamplingConfig()
+    engine = SamplingParams()
+    assert {f.name for f in fields(SamplingParams)} == set(SamplingConfig.model_fields) - {
+        "structured"
+    }
+    for f in fields(SamplingParams):
+        assert getattr(engine, f.name) == getattr(defaults, f.name), f.name
+    assert set(ROW_SAMPLING_KEYS) < {f.name for f in fields(SamplingParams)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine import memory
-from batchgen.job import load_job
+from batchgen.jobfile import load_job
 from batchgen.model.attention import make_attention_backend
 from batchgen.model.loader import load_model
 from batchgen.plan import GPU_RESERVE_SHARE, Placement, cuda_kv_budget, plan_num_blocks

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     import torch
 
     import batchgen.kernels.reference  # the PyTorch twins need no Triton
-    from batchgen.engine.engine import Engine, EngineConfig
+    from batchgen.engine.engine import Engine, EngineSettings
     from batchgen.engine.request import Request, SampleTarget, SamplingParams
     from batchgen.engine.noise import rng_key
     from batchgen.model.attention import make_attention_backend
@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     cpu = torch.device("cpu")
     model_dir = make_tiny_model(sys.argv[1], "llama", num_layers=1)
     model, info = load_model(model_dir, cpu, torch.float32, make_attention_backend("torch"))
-    config = EngineConfig(
+    config = EngineSettings(
         block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
         max_model_len=info.max_model_len, attention_backend="torch",
     )

@@ -20,6 +20,16 @@ from batchgen.engine.radix_cache import (
 BS = 2
 
 
+def num_cached_blocks(cache: RadixCache | NullCache) -> int:
+    """Blocks owned by the tree (each holds one tree reference)."""
+    return len(cache.owned_blocks())
+
+
+def num_evictable_blocks(cache: RadixCache | NullCache) -> int:
+    """Blocks in unlocked nodes: what ``evict`` would drop if asked for everything."""
+    return len(cache.owned_blocks()) - getattr(cache, "_num_locked_blocks", 0)
+
+
 def make(num_blocks: int = 32, block_size: int = BS) -> tuple[BlockPool, RadixCache]:
     pool = BlockPool(num_blocks)
     return pool, RadixCache(pool, block_size)
@@ -56,7 +66,7 @@ def test_empty_cache_matches_nothing() -> None:
     _, cache = make()
     m = cache.match([1, 2, 3, 4])
     assert m.blocks == [] and m.num_tokens == 0
-    assert cache.num_cached_blocks == 0 and cache.num_evictable_blocks == 0
+    assert num_cached_blocks(cache) == 0 and num_evictable_blocks(cache) == 0
     assert cache.evict(5) == 0
     cache.check()
 
@@ -69,7 +79,7 @@ def test_exact_match_returns_blocks_and_the_insert_handle() -> None:
     m = cache.match([1, 2, 3, 4])
     assert m.blocks == blocks and m.num_tokens == 4 and m.handle == handle
     assert cache.owned_blocks() == set(blocks)
-    assert cache.num_cached_blocks == 2 and cache.num_evictable_blocks == 2
+    assert num_cached_blocks(cache) == 2 and num_evictable_blocks(cache) == 2
     cache.check()
     pool.check()
 
@@ -77,7 +87,7 @@ def test_exact_match_returns_blocks_and_the_insert_handle() -> None:
 def test_partial_block_tail_is_ignored() -> None:
     pool, cache = make()
     blocks = finish(pool, cache, [1, 2, 3, 4, 5])  # the tail token 5 is not cached
-    assert len(blocks) == 2 and cache.num_cached_blocks == 2
+    assert len(blocks) == 2 and num_cached_blocks(cache) == 2
     assert cache.match([1, 2, 3, 4, 5]).blocks == blocks
     assert cache.match([1, 2, 3]).blocks == blocks[:1]  # ends inside a node: split
     assert cache.match([1]).blocks == []
@@ -139,7 +149,7 @@ def test_insert_of_a_shorter_prefix_splits_and_adopts_nothing() -> None:
     handle = cache.insert([1, 2, 3, 4], [x, y])
     assert handle.num_tokens == 4
     assert handle == cache.match([1, 2, 3, 4]).handle
-    assert cache.num_cached_blocks == 3 and pool.refcount(x) == 1
+    assert num_cached_blocks(cache) == 3 and pool.refcount(x) == 1
     cache.check()
 
 
@@ -151,7 +161,7 @@ def test_insert_branches_at_the_first_differing_block() -> None:
     assert cache.match([1, 2, 5, 6]).blocks == [a, d]
     (upper,) = cache._root.children.values()
     assert upper.blocks == [a] and len(upper.children) == 2
-    assert cache.num_cached_blocks == 3
+    assert num_cached_blocks(cache) == 3
     cache.check()
 
 
@@ -244,16 +254,16 @@ def test_locked_node_and_its_ancestors_are_never_evicted() -> None:
     (e,) = finish(pool, cache, [7, 7])
     m = cache.match([1, 2, 3, 4])
     cache.lock(m.handle)
-    assert cache.num_evictable_blocks == 2  # d and e
+    assert num_evictable_blocks(cache) == 2  # d and e
     assert cache.evict(100) == 2
     assert cache.owned_blocks() == {a, b}
-    assert cache.num_evictable_blocks == 0
+    assert num_evictable_blocks(cache) == 0
     cache.check()
     cache.lock(m.handle)  # locks nest
     cache.unlock(m.handle)
     assert cache.evict(100) == 0
     cache.unlock(m.handle)
-    assert cache.num_evictable_blocks == 2
+    assert num_evictable_blocks(cache) == 2
     assert cache.evict(100) == 2 and pool.num_free == pool.num_blocks
     cache.check()
     pool.check()
@@ -277,11 +287,11 @@ def test_parent_becomes_evictable_after_its_children_go() -> None:
     (a,) = finish(pool, cache, [1, 2])
     finish(pool, cache, [1, 2, 3, 4])
     finish(pool, cache, [1, 2, 5, 6])
-    assert cache.num_evictable_blocks == 3
+    assert num_evictable_blocks(cache) == 3
     assert cache.evict(2) == 2
     assert cache.owned_blocks() == {a}
     assert cache.evict(1) == 1
-    assert cache.num_cached_blocks == 0 and pool.num_free == pool.num_blocks
+    assert num_cached_blocks(cache) == 0 and pool.num_free == pool.num_blocks
     cache.check()
 
 
@@ -291,7 +301,7 @@ def test_evict_counts_only_blocks_actually_freed() -> None:
     cache.insert([1, 2, 3, 4], held)  # a running sequence holds them and did not lock
     (c,) = finish(pool, cache, [5, 5])
     assert cache.evict(1) == 1  # LRU: the held blocks go first, freeing nothing, then c
-    assert cache.num_cached_blocks == 0
+    assert num_cached_blocks(cache) == 0
     assert [pool.refcount(b) for b in held] == [1, 1] and pool.refcount(c) == 0
     cache.check()
     pool.check()
@@ -356,7 +366,7 @@ def test_null_cache_caches_nothing() -> None:
     cache.lock(m.handle)
     cache.unlock(m.handle)
     assert cache.evict(3) == 0
-    assert cache.num_cached_blocks == 0 and cache.num_evictable_blocks == 0
+    assert num_cached_blocks(cache) == 0 and num_evictable_blocks(cache) == 0
     assert cache.owned_blocks() == set()
     cache.check()
     with pytest.raises(ValueError):
@@ -566,8 +576,8 @@ def test_random_operations_match_the_model(
         cache.check()
         pool.check()
         assert tree_content(cache) == model.blocks
-        assert cache.num_cached_blocks == len(model.blocks)
-        assert cache.num_evictable_blocks == model.num_evictable
+        assert num_cached_blocks(cache) == len(model.blocks)
+        assert num_evictable_blocks(cache) == model.num_evictable
         owned = cache.owned_blocks()
         counts = held()
         for b in range(num_blocks):
@@ -575,9 +585,9 @@ def test_random_operations_match_the_model(
 
     for h in list(holders):
         release(h)
-    assert cache.num_evictable_blocks == cache.num_cached_blocks
+    assert num_evictable_blocks(cache) == num_cached_blocks(cache)
     assert cache.evict(num_blocks) == len(model.blocks)
-    assert cache.num_cached_blocks == 0
+    assert num_cached_blocks(cache) == 0
     assert pool.num_free == pool.num_blocks
     cache.check()
     pool.check()

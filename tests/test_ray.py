@@ -27,7 +27,8 @@ import yaml
 
 from batchgen.errors import JobError
 from batchgen.fingerprint import fingerprint
-from batchgen.job import ExecutorConfig, load_job
+from batchgen.job import ExecutorConfig
+from batchgen.jobfile import load_job
 from batchgen.results import MANIFEST_NAME, REPORT_NAME, OutputFolder, totals_of
 from batchgen.tiny_model import make_prompts
 from tests.jobkit import committed_rows, manifest_of, read_results, run_cli, write_job
@@ -45,7 +46,7 @@ TEMPLATES = [
 ROWS_PER_TEMPLATE = 12
 ROWS = ROWS_PER_TEMPLATE * len(TEMPLATES)
 # The workers batch other rows together than the local run does (and a kill changes that again):
-# SPEC lets floating-point differences between batch shapes flip a near-tie, which
+# docs/job-file.md lets floating-point differences between batch shapes flip a near-tie, which
 # compare_samples exempts and counts. Any seed must pass.
 SEEDED = {
     "n": 2,
@@ -90,13 +91,13 @@ def ray_cluster():
 
 
 def ahead_rows() -> int:
-    """Rows a worker may have finished beyond what the driver has received: CHUNKS_AHEAD unread
-    chunks and the one it builds, of at most two rows each (SLOW's max_num_seqs=2: a step
-    finishes two samples at most). A kill at a chunk whose task has more rows left lands
+    """Rows a worker may have finished beyond what the driver has received: DELIVERIES_AHEAD unread
+    deliveries and the one it builds, of at most two rows each (SLOW's max_num_seqs=2: a step
+    finishes two samples at most). A kill at a delivery whose task has more rows left lands
     mid-shard."""
-    from batchgen.executors.ray_worker import CHUNKS_AHEAD
+    from batchgen.executors.ray_worker import DELIVERIES_AHEAD
 
-    return 2 * (CHUNKS_AHEAD + 1)
+    return 2 * (DELIVERIES_AHEAD + 1)
 
 
 def template_of(row_id: int) -> int:
@@ -352,9 +353,9 @@ def test_worker_killed_mid_job(
     monkeypatch: pytest.MonkeyPatch,
     max_restarts: int,
 ) -> None:
-    """SIGKILL worker 0's process at its first chunk, after the driver stalled for a while (as a
+    """SIGKILL worker 0's process at its first delivery, after the driver stalled for a while (as a
     busy driver on a fast machine does). The worker cannot have run its shard to the end
-    meanwhile (it pauses CHUNKS_AHEAD chunks ahead of the driver), so the kill lands mid-shard.
+    meanwhile (it pauses DELIVERIES_AHEAD deliveries ahead of the driver), so the kill lands mid-shard.
     With restarts left, Ray restarts it and it runs the rows it had not delivered; with none,
     worker 1 takes them."""
     from batchgen.executors.ray import RayExecutor
@@ -362,15 +363,15 @@ def test_worker_killed_mid_job(
     real = RayExecutor._receive
     killed: list[int] = []
 
-    def receive(self: RayExecutor, task: Any, chunk: Any) -> None:
+    def receive(self: RayExecutor, task: Any, delivery: Any) -> None:
         if not killed and task.slot.index == 0:
             time.sleep(DRIVER_STALL)
-            real(self, task, chunk)
+            real(self, task, delivery)
             assert len(task.remaining) > ahead_rows(), len(task.remaining)
-            killed.append(chunk.pid)
-            os.kill(chunk.pid, signal.SIGKILL)
+            killed.append(delivery.pid)
+            os.kill(delivery.pid, signal.SIGKILL)
         else:
-            real(self, task, chunk)
+            real(self, task, delivery)
 
     monkeypatch.setattr(RayExecutor, "_receive", receive)
     job = job_for(data, tmp_path, SEEDED)
@@ -442,7 +443,7 @@ def test_driver_killed_then_resumed(ray_cluster, data: SimpleNamespace, tmp_path
     partial = ds.dataset([str(out / n) for n in listed], format="parquet").to_table().to_pylist()
     assert Counter(Counter(r["id"] for r in partial).values()) == {SEEDED["n"]: killed_at}
     # A kill between a part's rename (its commit) and the manifest update leaves one part the
-    # manifest does not list yet (see batchgen/results.py); the resume lists it, and
+    # manifest does not list yet (see batchgen/results/local.py); the resume lists it, and
     # check_exactly_once below verifies that no row is lost or written twice.
     unlisted = [p for p in out.glob("part-*.parquet") if p.name not in listed]
     assert len(unlisted) <= 1, unlisted
@@ -519,12 +520,12 @@ def test_worker_sigkilled_restarts(
             kill(self.slots[0])  # the workers loaded; no shard has run yet
         real_submit(self, rows)
 
-    def receive(self: RayExecutor, task: Any, chunk: Any) -> None:
-        real_receive(self, task, chunk)
+    def receive(self: RayExecutor, task: Any, delivery: Any) -> None:
+        real_receive(self, task, delivery)
         slot = self.slots[0]
         received = sum(s.totals.rows for s in self.slots)
         # Kill again only once the previous kill's restart was seen (a new pid delivered rows),
-        # and only while worker 0 surely has rows left to run (its chunk's task has more rows
+        # and only while worker 0 surely has rows left to run (its delivery's task has more rows
         # left than it may have run ahead).
         if (
             len(killed) < len(at)

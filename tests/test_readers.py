@@ -1,6 +1,7 @@
-"""The output folder as its readers open it (SPEC "The output folder"): pandas, pyarrow.dataset,
-DuckDB and polars over ``path/*.parquet``, and Hugging Face datasets (``load_dataset(path)``,
-``load_dataset("parquet", data_dir=path)``), each given the folder as it is, with no filter.
+"""The output folder as its readers open it (docs/job-file.md, "The output folder"): pandas,
+pyarrow.dataset, DuckDB and polars over ``path/*.parquet``, and Hugging Face datasets
+(``load_dataset(path)``, ``load_dataset("parquet", data_dir=path)``), each given the folder as it
+is, with no filter.
 
 Each must see exactly the committed rows, and nothing else, in every state a folder can be in:
 finished; mid-job (a writer holding it, a part staged but not committed, a part committed but

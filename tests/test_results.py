@@ -12,7 +12,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-import batchgen.results as results
+import batchgen.results.local as results_local
 from batchgen.errors import JobError, OutputFullError
 from batchgen.results import (
     COMMIT_STEPS,
@@ -216,7 +216,7 @@ def test_report_and_finished(tmp_path: Path) -> None:
         folder.mark_finished()
         folder.write_report({"rows": 1, "elapsed_s": 2.0, "output_tokens_per_s": 3.0})
         assert folder.finished
-    # Under the name SPEC gives it, whole (no temp file left); its content shows in the status.
+    # Under the name docs/job-file.md gives it, whole (no temp file left); its content shows in the status.
     assert REPORT_NAME == ".batchgen/report.json" and (out / REPORT_NAME).is_file()
     assert hidden(out) == ["lock", "manifest.json", "report.json"]
     assert sorted(os.listdir(out)) == [".batchgen", "part-00000.parquet"]
@@ -493,7 +493,7 @@ def test_a_full_disk_at_the_manifest_update_counts_the_committed_part(
     """The part is committed by its rename; a full disk while the manifest is updated after it
     says those rows are saved too (the next open lists the part)."""
     out = tmp_path / "o"
-    real = results.write_durably
+    real = results_local.write_durably
 
     def full_at_manifest(folder: Path, name: str, *args: object, **kwargs: object) -> None:
         if name == "manifest.json":
@@ -504,7 +504,7 @@ def test_a_full_disk_at_the_manifest_update_counts_the_committed_part(
         writer = folder.writer(SCHEMA, 100, 1e9)
         writer.add_row_group(samples(0))
         writer.commit()
-        monkeypatch.setattr(results, "write_durably", full_at_manifest)
+        monkeypatch.setattr(results_local, "write_durably", full_at_manifest)
         writer.add_row_group(samples(1))
         writer.add_row_group(samples(2))
         with pytest.raises(OutputFullError, match="3 rows are saved there"):
@@ -513,4 +513,3 @@ def test_a_full_disk_at_the_manifest_update_counts_the_committed_part(
     assert keys_of(read_back(out)) == [(i, k) for i in range(3) for k in range(2)]
     with OutputFolder.open(out, FP) as folder:
         assert folder.completed_ids() == {0, 1, 2} and folder.counts()["rows"] == 3
-

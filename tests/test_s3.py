@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from batchgen.errors import JobError
-from batchgen.job import load_job
+from batchgen.jobfile import load_job
 from batchgen.results import (
     COMMIT_STEPS,
     MANIFEST_NAME,
@@ -501,7 +501,7 @@ def test_sigkill_mid_job_then_resume_on_s3(s3: Any, model: Path, tmp_path: Path)
     duplicates = sum(c - 1 for c in keys.values())
     assert duplicates == 0
     # the tokens are the uninterrupted run's (up to near-tie flips between batch shapes, which
-    # SPEC allows), and where they are, so is every column but the prefix-cache count
+    # docs/job-file.md allows), and where they are, so is every column but the prefix-cache count
     ties = compare_samples(
         got, expected, model=model, prompts=dict(enumerate(prompts)), sampling=SAMPLING
     )

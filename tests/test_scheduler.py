@@ -15,11 +15,24 @@ import pytest
 
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.radix_cache import NullCache, RadixCache
-from batchgen.engine.request import FinishReason, Request, SampleTarget, SamplingParams
-from batchgen.engine.scheduler import Draw, Scheduler, SchedulerConfig
+from batchgen.engine.request import (
+    FinishReason,
+    Request,
+    SampleTarget,
+    SamplingParams,
+    TokenSequence,
+)
+from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
 
 VOCAB = 50
 EOS = 0
+
+
+def update(sched: Scheduler, batch: Batch, draws: list[list[Draw]]) -> list[TokenSequence]:
+    """A step that does not overlap: ``launched`` and ``complete`` at once. ``draws`` has one list
+    per sampling chunk of ``batch`` (in order), with one Draw per target of its sequence."""
+    sched.launched(batch)
+    return sched.complete(batch, [d for chunk_draws in draws for d in chunk_draws])
 
 
 def next_token(context: tuple[int, ...], key: int) -> int:
@@ -65,7 +78,7 @@ class FakeRunner:
                 context = self.context(seq, chunk.start + chunk.num_tokens)
                 draws.append([Draw(next_token(context, t.rng_key), 0.0) for t in seq.targets])
         self.sampled_per_step.append(sum(map(len, draws)))
-        finished = self.sched.update(batch, draws)
+        finished = update(self.sched, batch, draws)
         self.sched.check()
         return finished
 
@@ -300,7 +313,7 @@ def test_partial_copy_is_dropped_when_its_source_is_the_room_needed():
     sched.add(first)
     while sched.has_work():
         runner.step()
-    assert cache.num_cached_blocks == 2
+    assert len(cache.owned_blocks()) == 2
     # shares block 0 and the first 2 tokens of block 1, then needs all 8 blocks of the pool
     second = Request(tuple(range(1, 7)) + tuple(range(50, 74)), params, (SampleTarget(1, 0, 1),))
     sched.add(second)

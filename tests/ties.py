@@ -1,6 +1,6 @@
 """Compare two sets of generated samples, exempting (and counting) near-tie flips.
 
-SPEC allows the tokens of ``(id, sample_index)`` to differ between runs only "where
+docs/job-file.md allows the tokens of ``(id, sample_index)`` to differ between runs only "where
 floating-point differences between batch shapes flip a near-tie". This module makes that
 allowance measurable instead of hiding it behind a seed chosen to avoid ties:
 

@@ -22,8 +22,8 @@ class BlockPool:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self._refcounts = [0] * num_blocks
-        # FIFO free list: a freed block is reused last, which keeps freshly freed (and possibly
-        # still cached elsewhere) blocks around longest.
+        # FIFO free list: a freed block is reused last. (A free block is never in the prefix
+        # cache: the tree holds a reference on every block it owns.)
         self._free: deque[int] = deque(range(num_blocks))
 
     @property

@@ -1,6 +1,6 @@
 """The engine loop: schedule -> run the model -> sample -> update -> finished samples.
 
-Overlapped steps (``EngineConfig.overlap``). Reading a step's sampled tokens back waits for the
+Overlapped steps (``EngineSettings.overlap``). Reading a step's sampled tokens back waits for the
 device; without overlap the device then idles while the host updates, schedules and builds the
 next step. With overlap each ``step()`` launches step N+1 *before* reading step N's tokens: the
 scheduler records step N as launched (its tokens in flight), schedules step N+1, whose decode
@@ -25,7 +25,7 @@ from batchgen.engine.device import device_guard
 from batchgen.engine.grammar import apply_masks
 from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels
 from batchgen.engine.radix_cache import make_prefix_cache
-from batchgen.engine.request import Request, SampleResult, Sequence
+from batchgen.engine.request import Request, SampleResult, TokenSequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
 from batchgen.engine.staging import PendingReadback, Readback, Staging
@@ -35,7 +35,7 @@ from batchgen.model.config import ModelInfo
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineSettings:
     block_size: int
     num_blocks: int
     max_num_seqs: int
@@ -84,7 +84,7 @@ class Engine:
         self,
         model: torch.nn.Module,
         info: ModelInfo,
-        config: EngineConfig,
+        config: EngineSettings,
         *,
         device: torch.device,
         dtype: torch.dtype,
@@ -178,44 +178,47 @@ class Engine:
     def num_waiting_targets(self) -> int:
         return self.scheduler.num_waiting_targets
 
-    def step(self) -> list[SampleResult]:
-        """Schedule, run and sample one step on the engine's device (made current for Triton)."""
-        with device_guard(self.device):
-            return self._step()
-
     @torch.inference_mode()
-    def _step(self) -> list[SampleResult]:
-        results = self._overlapped_step()
-        if self.check_invariants:
-            self.scheduler.check()
-        return results
+    def step(self) -> list[SampleResult]:
+        """Schedule, run and sample one step on the engine's device (made current for Triton);
+        return the samples that finished.
 
-    def _overlapped_step(self) -> list[SampleResult]:
-        """Schedule and launch a step, then complete the step before it (overlap) or this one."""
-        prev, self._in_flight = self._in_flight, None
-        batch = self.scheduler.schedule()
-        if not batch:
-            # Everything schedulable waits for an in-flight token (or for blocks it holds).
-            assert prev is not None, "scheduler produced an empty batch while work remains"
-            return self._complete(prev)
-        if self.check_invariants:
-            self.scheduler.check(batch)
-        launched = self._launch(batch, prev)
-        self.scheduler.launched(batch)
-        launched.rows = {id(seq): row for row, seq in enumerate(batch.sampled)}
-        results: list[SampleResult] = []
-        if prev is not None:
-            self.stats.overlapped_steps += 1
-            results = self._complete(prev)  # waits for prev's tokens while this step runs
-        if self.config.overlap:
-            self._in_flight = launched
-        else:
-            results = self._complete(launched)
-        return results
+        Plain: launch this step, then complete it (read its tokens back). Overlapped
+        (``EngineSettings.overlap``): launch this step, then complete the step before it, whose
+        tokens were in flight while this one was scheduled and built; this one stays in flight.
+        """
+        with device_guard(self.device):
+            prev, self._in_flight = self._in_flight, None
+            batch = self.scheduler.schedule()
+            if not batch:
+                # Everything schedulable waits for an in-flight token (or for blocks it holds).
+                assert prev is not None, "scheduler produced an empty batch while work remains"
+                results = self._complete(prev)
+            elif not self.config.overlap:
+                results = self._complete(self._launch(batch, prev))
+            else:
+                launched = self._launch(batch, prev)
+                results = self._complete(prev) if prev is not None else []
+                self._in_flight = launched
+            if self.check_invariants:
+                self.scheduler.check()
+            return results
 
     def _launch(self, batch: Batch, prev: _Launched | None) -> _Launched:
-        """Queue ``batch``'s block copies, forward pass and draw; ``prev``: the step before it
-        when its tokens are still in flight (the fill source of this step's decodes)."""
+        """Queue ``batch``'s block copies, forward pass and draw, and tell the scheduler it is
+        launched; ``prev``: the step before it when its tokens are still in flight (the fill
+        source of this step's decodes)."""
+        if self.check_invariants:
+            self.scheduler.check(batch)
+        launched = self._run(batch, prev)
+        self.scheduler.launched(batch)
+        launched.rows = {id(seq): row for row, seq in enumerate(batch.sampled)}
+        if prev is not None:
+            self.stats.overlapped_steps += 1
+        return launched
+
+    def _run(self, batch: Batch, prev: _Launched | None) -> _Launched:
+        """The device work of ``_launch``: block copies, the forward pass and the draw."""
         if batch.copies:
             src, dst = zip(*batch.copies, strict=True)
             src_t, dst_t = self.staging.upload(torch.int64, [src, dst])
@@ -277,10 +280,7 @@ class Engine:
                 seqs.append(seq)
         # Rows with penalties or a grammar never have a token in flight (Scheduler: they wait
         # for it), so their history and grammar state are complete here.
-        needs_history = any(
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            for p in params
-        )
+        needs_history = any(p.needs_history for p in params)
         prompt_ids = [s.token_ids[: s.num_prompt_tokens] for s in seqs] if needs_history else None
         output_ids = [s.output_ids for s in seqs] if needs_history else None
         rows = SamplingBatch.from_rows(
@@ -307,7 +307,7 @@ class Engine:
             self.stats.unused_slots += len(seq.block_table) * bs - (chunk.start + chunk.num_tokens)
 
     @staticmethod
-    def _result(seq: Sequence) -> SampleResult:
+    def _result(seq: TokenSequence) -> SampleResult:
         assert seq.forked and seq.finish_reason is not None
         return SampleResult(
             target=seq.targets[0],

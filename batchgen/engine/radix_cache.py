@@ -16,7 +16,8 @@ How the scheduler uses it (single-threaded; no torch here):
 2. Blocks for the rest come from ``pool.allocate``; if it falls short, ``cache.evict(k)`` and check
    the number it returns (blocks also held by an unlocked sequence are dropped by the tree but
    not freed).
-3. When a sequence has more full blocks to publish (finished, or preempted before its blocks go):
+3. Whenever a step has filled more of a sequence's blocks with known tokens (the scheduler
+   publishes them at once, ``Scheduler._cache_full_blocks`` after each step):
    ``h = cache.insert(tokens[:n * bs], blocks[:n])``; ``cache.lock(h)``; ``cache.unlock(old)``
    (lock the new handle before unlocking the old one); when it is done with its blocks,
    ``cache.unlock(h)`` and ``pool.decref(its blocks)``. Where the tree already held a prefix with
@@ -24,13 +25,13 @@ How the scheduler uses it (single-threaded; no torch here):
    that final decref.
 
 With that discipline (every sequence that holds tree blocks locks a handle covering them) every
-unlocked tree block has reference count 1, so ``num_evictable_blocks`` is exactly what eviction
-can return to the pool; otherwise it is an upper bound.
+unlocked tree block has reference count 1, so the blocks of unlocked nodes are exactly what
+eviction can return to the pool; otherwise they are an upper bound.
 
 ``NullCache`` has the same interface and caches nothing (``prefix_caching: false``), so callers
 never branch on whether caching is on; ``make_prefix_cache`` picks one.
 
-One noun in one file (about 560 lines): the tree, its lock counts, its LRU of evictable leaves and
+One noun in one file: the tree, its lock counts, its LRU of evictable leaves and
 the null cache for "caching off" keep one invariant together (``check``).
 """
 
@@ -155,12 +156,6 @@ class PrefixCache(Protocol):
 
     def evict(self, num_blocks: int) -> int: ...
 
-    @property
-    def num_cached_blocks(self) -> int: ...
-
-    @property
-    def num_evictable_blocks(self) -> int: ...
-
     def owned_blocks(self) -> set[int]: ...
 
     def check(self) -> None: ...
@@ -198,16 +193,6 @@ class RadixCache:
         self._heap: list[tuple[int, int, _Node]] = []
 
     # ---- queries -------------------------------------------------------------------------------
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks owned by the tree (each holds one tree reference)."""
-        return len(self._owned)
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        """Blocks in unlocked nodes: what ``evict`` would drop if asked for everything."""
-        return len(self._owned) - self._num_locked_blocks
 
     def owned_blocks(self) -> set[int]:
         """A copy of the set of block ids the tree owns (for the engine's accounting check)."""
@@ -517,14 +502,6 @@ class NullCache:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self._root = CacheHandle(_Node((), [], None, 0, 0, 0))
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return 0
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        return 0
 
     def owned_blocks(self) -> set[int]:
         return set()

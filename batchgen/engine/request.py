@@ -33,6 +33,17 @@ class SamplingParams:
     seed: int = 0
     logprobs: bool = False
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether drawing a token reads the sample's tokens so far on the host: repetition,
+        presence and frequency penalties count them (the scheduler lets such rows wait for an
+        in-flight token; the sampler builds their token counts)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
 
 class Constraint(Protocol):
     """The grammar state of one sample (structured outputs; :mod:`batchgen.engine.grammar`).
@@ -108,7 +119,7 @@ class SampleResult:
 
 
 @dataclass(eq=False)
-class Sequence:
+class TokenSequence:
     """The scheduler's mutable state of one token stream.
 
     Before its prompt is computed, one sequence stands for several targets of its request; when
@@ -140,8 +151,8 @@ class Sequence:
     num_blocks_in_cache: int = 0  # leading blocks already inserted into the radix cache
     token_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    rest: Sequence | None = None  # the waiting rest of this sequence's targets, to be parked
-    waits_for: Sequence | None = None  # the admitted part whose prompt this sequence waits for
+    rest: TokenSequence | None = None  # the waiting rest of this sequence's targets, to be parked
+    waits_for: TokenSequence | None = None  # the admitted part whose prompt this sequence waits for
     decoded: DecodedText = field(default_factory=DecodedText)  # read only for stop strings
     text: str | None = None  # the output text cut before a matched stop string
     # The grammar state after the tokens so far (the request has a grammar); forked with the

@@ -144,7 +144,7 @@ class SamplingBatch:
         filtered = [any(u) for u in zip(uses_top_k, uses_top_p, uses_min_p, strict=True)]
         any_repetition = any(p.repetition_penalty != 1.0 for p in params)
         any_additive = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
-        any_penalty = any_repetition or any_additive
+        any_penalty = any(p.needs_history for p in params)
 
         float_rows = [
             [p.temperature for p in params],

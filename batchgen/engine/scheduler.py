@@ -7,7 +7,7 @@ newest running sequences are preempted: their blocks are released and they are r
 (mostly from the prefix cache). A request with several targets is computed once and forked into
 one sequence per target when its prompt is done; no step samples more than ``max_num_seqs``
 sequences: a request with more targets than free slots is split, and the later parts reuse the
-prompt's KV (see ``Sequence``). No torch here: the scheduler is plain data.
+prompt's KV (see ``TokenSequence``). No torch here: the scheduler is plain data.
 
 Overlapped steps (``engine.overlap``). A step is recorded in two halves: ``launched`` once its
 forward pass and draw are queued on the device (the KV of its chunks counts as computed, its
@@ -17,9 +17,10 @@ next step: a sequence whose token is in flight computes it (its input id filled 
 and samples the one after. If the in-flight token finishes the sequence (EOS, a stop string), the
 token drawn after it is discarded (``num_discarded_tokens``). A sequence the in-flight token
 finishes for sure (max_tokens, max_model_len) is retired at ``launched``: not scheduled again,
-its blocks freed as they would be without overlap. ``update`` is both halves at once.
+its blocks freed as they would be without overlap. A step that does not overlap calls the two
+halves one after the other.
 
-One noun in one file (about 640 lines): admission, the token budget, forks, parking and
+One noun in one file: admission, the token budget, forks, parking and
 preemption share the block accounting that ``check`` asserts, and split apart they would each
 have to re-derive it.
 """
@@ -27,7 +28,7 @@ have to re-derive it.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from batchgen.engine.block_pool import BlockPool
@@ -36,7 +37,7 @@ from batchgen.engine.request import (
     FinishReason,
     Request,
     SampleTarget,
-    Sequence,
+    TokenSequence,
 )
 from batchgen.engine.stop import StopStrings
 
@@ -57,7 +58,7 @@ class Chunk:
     """Tokens ``start .. start + num_tokens`` of ``seq`` are computed this step (all known, but a
     decode's one token may be in flight: ``start == len(seq.token_ids)``)."""
 
-    seq: Sequence
+    seq: TokenSequence
     start: int
     num_tokens: int
     # Whether this chunk reaches the end of the sequence (known and in-flight tokens) when it is
@@ -77,13 +78,13 @@ class Batch:
     # a cached block that a new sequence's prompt shares in part), in any order: destinations
     # are distinct and none is a source (Scheduler.check).
     copies: list[tuple[int, int]] = field(default_factory=list)
-    # One pool reference per copy source, held by the batch until it has run (``update`` drops
-    # them): no source is freed, and so reused as a destination, while the batch is scheduled.
+    # One pool reference per copy source, held by the batch until it is launched (``launched``
+    # drops them): no source is freed, and so reused as a destination, while the batch is scheduled.
     held: list[int] = field(default_factory=list)
     _holds: dict[int, int] = field(default_factory=dict, repr=False)  # block -> count in held
     # Set by ``Scheduler.launched``: the sequence of each sampled row, in row order (the rows of
     # a sampling chunk, one per target, become the forked children's).
-    sampled: list[Sequence] = field(default_factory=list)
+    sampled: list[TokenSequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -122,7 +123,7 @@ class Scheduler:
         config: SchedulerConfig,
         pool: BlockPool,
         cache: PrefixCache,
-        eos_token_ids: SequenceABC[int] = (),
+        eos_token_ids: Sequence[int] = (),
         stop_strings: StopStrings | None = None,
     ) -> None:
         """``stop_strings`` finds the requests' stop strings in the output text; without it stop
@@ -132,13 +133,13 @@ class Scheduler:
         self.cache = cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_strings = stop_strings
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[TokenSequence] = deque()
+        self.running: list[TokenSequence] = []
         self.num_preemptions = 0
         self.num_discarded_tokens = 0  # drawn after an in-flight token that finished its sequence
         # Sequences whose in-flight token finishes them for sure: out of ``running``, no blocks;
         # ``complete`` gives them their last token. id -> sequence.
-        self._retired: dict[int, Sequence] = {}
+        self._retired: dict[int, TokenSequence] = {}
         self.num_evicted_blocks = 0
         self.peak_blocks_used = 0
         self.peak_num_seqs = 0  # the most sequences sampled in one step
@@ -149,7 +150,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(
-            Sequence(
+            TokenSequence(
                 request=request,
                 targets=request.targets,
                 token_ids=list(request.prompt_token_ids),
@@ -220,18 +221,17 @@ class Scheduler:
         return batch
 
     @staticmethod
-    def _may_run_ahead(seq: Sequence) -> bool:
+    def _may_run_ahead(seq: TokenSequence) -> bool:
         """Whether running ``seq``, whose newest token is in flight, may be scheduled before that
         token is known. Not when sampling it reads that token on the host: a grammar state must
         consume it before the next mask is made, and repetition/presence/frequency penalties
         count the tokens so far. Such rows wait for their token: with overlapped steps they run
         every other step. (Stop strings need no wait: a stop found late discards one token.)"""
-        p = seq.params
-        return seq.constraint is None and (
-            p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-        )
+        return seq.constraint is None and not seq.params.needs_history
 
-    def _admit_next(self, seq: Sequence, free: int, budget: int, batch: Batch) -> Sequence | None:
+    def _admit_next(
+        self, seq: TokenSequence, free: int, budget: int, batch: Batch
+    ) -> TokenSequence | None:
         """Admit ``seq``, the head of the queue, or a new part of it with ``free`` of its targets
         (``free``: the sequence slots left); return what was admitted, or None if it must wait.
 
@@ -263,17 +263,17 @@ class Scheduler:
                 part.rest, seq.waits_for = seq, part
         return part
 
-    def _split(self, seq: Sequence, k: int) -> Sequence:
+    def _split(self, seq: TokenSequence, k: int) -> TokenSequence:
         """A new sequence for the first ``k`` targets of waiting ``seq``, holding what ``seq``
         holds; the caller moves the targets once it is admitted."""
         return self._share(seq, seq.targets[:k], num_cached_tokens=None)
 
     def _share(
-        self, seq: Sequence, targets: tuple[SampleTarget, ...], num_cached_tokens: int | None
-    ) -> Sequence:
+        self, seq: TokenSequence, targets: tuple[SampleTarget, ...], num_cached_tokens: int | None
+    ) -> TokenSequence:
         """A sequence for ``targets`` with ``seq``'s tokens and progress, holding what ``seq``
         holds (one more reference on each block and one more radix lock, once computed)."""
-        part = Sequence(
+        part = TokenSequence(
             request=seq.request,
             targets=targets,
             token_ids=list(seq.token_ids),
@@ -290,7 +290,7 @@ class Scheduler:
             self.cache.lock(part.cache_handle)
         return part
 
-    def _resume_parked(self, seq: Sequence, keep: Sequence, batch: Batch) -> bool:
+    def _resume_parked(self, seq: TokenSequence, keep: TokenSequence, batch: Batch) -> bool:
         """Schedule the last prompt token of a parked sequence (or part of one): its logits are
         needed again, and its KV goes into a block of its own. False if blocks ran out; parked
         ``keep`` keeps its blocks meanwhile."""
@@ -302,7 +302,7 @@ class Scheduler:
         batch.chunks.append(Chunk(seq, seq.num_computed, 1))
         return True
 
-    def _park(self, seq: Sequence, source: Sequence) -> None:
+    def _park(self, seq: TokenSequence, source: TokenSequence) -> None:
         """Give waiting ``seq`` (the rest of ``source``'s targets) the KV of every prompt token
         but the last, now that ``source`` has computed its prompt."""
         seq.waits_for = None
@@ -317,13 +317,13 @@ class Scheduler:
         seq.num_computed = n
         self._num_parked += 1
 
-    def _unpark(self, seq: Sequence) -> None:
+    def _unpark(self, seq: TokenSequence) -> None:
         """A parked sequence gives its blocks back (it will be admitted like a fresh one)."""
         self._release(seq)
         seq.num_computed = 0
         self._num_parked -= 1
 
-    def _admit(self, seq: Sequence, budget: int, batch: Batch) -> bool:
+    def _admit(self, seq: TokenSequence, budget: int, batch: Batch) -> bool:
         """Give ``seq`` its cached prefix and blocks for a first chunk; False if it must wait."""
         bs = self.config.block_size
         # Leave at least one token to compute: the last prompt token's logits are needed.
@@ -369,7 +369,7 @@ class Scheduler:
         batch.chunks.append(Chunk(seq, start, n))
         return True
 
-    def _shares_uncached_prefix(self, seq: Sequence, cached: int, batch: Batch) -> bool:
+    def _shares_uncached_prefix(self, seq: TokenSequence, cached: int, batch: Batch) -> bool:
         end = cached + self.config.block_size
         if end >= len(seq.token_ids):
             return False
@@ -380,7 +380,12 @@ class Scheduler:
         )
 
     def _reserve(
-        self, seq: Sequence, n: int, batch: Batch, extra: int = 0, keep: Sequence | None = None
+        self,
+        seq: TokenSequence,
+        n: int,
+        batch: Batch,
+        extra: int = 0,
+        keep: TokenSequence | None = None,
     ) -> bool:
         """Make the blocks for ``seq``'s next ``n`` tokens writable, with ``extra`` blocks to
         spare; False if blocks ran out. ``keep``: a parked sequence not to unpark for room."""
@@ -403,7 +408,7 @@ class Scheduler:
             seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _make_free(self, n: int, keep: Sequence | None = None) -> bool:
+    def _make_free(self, n: int, keep: TokenSequence | None = None) -> bool:
         """Get ``n`` blocks free: evict cached blocks, then unpark parked sequences (but
         ``keep``), newest first; False if that is not enough (a running sequence must go)."""
         if self.pool.can_allocate(n):
@@ -419,7 +424,7 @@ class Scheduler:
                     return True
         return False
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: TokenSequence) -> None:
         assert not seq.num_in_flight, "preempting a sequence whose token is in flight"
         self.running.remove(seq)
         self._release(seq)
@@ -427,7 +432,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: TokenSequence) -> None:
         self.pool.decref(seq.block_table)
         self.cache.unlock(seq.cache_handle)
         seq.block_table = []
@@ -435,16 +440,6 @@ class Scheduler:
         seq.num_blocks_in_cache = 0
 
     # -- after the forward pass ------------------------------------------------------------------
-
-    def update(self, batch: Batch, draws: list[list[Draw]]) -> list[Sequence]:
-        """Record the computed chunks and the sampled tokens; return the sequences that finished
-        (``launched`` and ``complete`` at once: steps that do not overlap).
-
-        ``draws`` has one list per sampling chunk of ``batch`` (in order), with one Draw per
-        target of that chunk's sequence.
-        """
-        self.launched(batch)
-        return self.complete(batch, [d for chunk_draws in draws for d in chunk_draws])
 
     def launched(self, batch: Batch) -> None:
         """``batch``'s step is on the device: its chunks' KV counts as computed and each sampled
@@ -471,18 +466,18 @@ class Scheduler:
                     self._release(child)
                     self._retired[id(child)] = child
 
-    def _surely_finishes(self, seq: Sequence) -> bool:
+    def _surely_finishes(self, seq: TokenSequence) -> bool:
         """The in-flight tokens reach max_tokens or max_model_len (whatever they are)."""
         return (
             seq.num_output_tokens + seq.num_in_flight >= seq.params.max_tokens
             or seq.num_tokens >= self.config.max_model_len
         )
 
-    def complete(self, batch: Batch, draws: list[Draw]) -> list[Sequence]:
+    def complete(self, batch: Batch, draws: list[Draw]) -> list[TokenSequence]:
         """Record the tokens of launched ``batch`` (one Draw per ``batch.sampled`` row); return
         the sequences that finished. A row whose sequence finished before (its previous token
         was its last) is discarded."""
-        finished: list[Sequence] = []
+        finished: list[TokenSequence] = []
         for seq, draw in zip(batch.sampled, draws, strict=True):
             if seq.finish_reason is not None:
                 self.num_discarded_tokens += 1
@@ -501,7 +496,7 @@ class Scheduler:
                 self._cache_full_blocks(seq)  # blocks completed by a once in-flight token
         return finished
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def finish(self, seq: TokenSequence, reason: FinishReason) -> None:
         """Retire a running (or retired) sequence; a token still in flight will be discarded."""
         seq.finish_reason = reason
         seq.num_in_flight = 0
@@ -509,7 +504,7 @@ class Scheduler:
             self.running.remove(seq)
             self._release(seq)
 
-    def _fork(self, seq: Sequence) -> list[Sequence]:
+    def _fork(self, seq: TokenSequence) -> list[TokenSequence]:
         """Split a sequence that stands for several targets into one per target; the children
         share every block (one more reference each) and the radix lock."""
         if seq.forked:
@@ -523,7 +518,7 @@ class Scheduler:
         self.running[pos:pos] = children[1:]
         return children
 
-    def _cache_full_blocks(self, seq: Sequence) -> None:
+    def _cache_full_blocks(self, seq: TokenSequence) -> None:
         """Insert newly completed blocks into the prefix cache and move the lock to them: blocks
         of computed and known tokens (an in-flight token's id is not known yet)."""
         full = min(seq.num_computed, len(seq.token_ids)) // self.config.block_size
@@ -537,7 +532,7 @@ class Scheduler:
         seq.cache_handle = handle
         seq.num_blocks_in_cache = full
 
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _finish_reason(self, seq: TokenSequence, token: int) -> FinishReason | None:
         """Whether ``seq`` ends with its newest token ``token``, decided here only and in this
         order: EOS or a stop token id, a failed grammar state (error), a stop string (then
         ``seq.text`` is the output text cut before it), a completed grammar, max_tokens or
@@ -569,7 +564,7 @@ class Scheduler:
 
     def check(self, batch: Batch | None = None) -> None:
         """Assert that every block is accounted for: free, owned by the cache, held by a running
-        or parked sequence, or by ``batch`` (the batch scheduled last, until ``update``), with
+        or parked sequence, or by ``batch`` (the batch scheduled last, until ``launched``), with
         refcounts equal to the number of holders; and the batch's block copies can run as one
         unordered set (destinations distinct, none of them a source, every source held).
 
@@ -578,7 +573,7 @@ class Scheduler:
         one is scheduled only as a one-token decode of that token, and only if its sampling does
         not wait for it (``_may_run_ahead``); a retired one holds nothing.
 
-        Call it after ``update`` or ``complete``, or after ``schedule`` with the batch it
+        Call it after ``complete``, or after ``schedule`` with the batch it
         returned.
         """
         self.pool.check()

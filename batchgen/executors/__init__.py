@@ -40,7 +40,7 @@ class Executor(Protocol):
 
     def numerics(self) -> str:
         """The numerics the engines resolved, as the fingerprint records them
-        (:func:`batchgen.job.numerics`); a JobError where engines disagree."""
+        (:func:`batchgen.fingerprint.numerics`); a JobError where engines disagree."""
         ...
 
     def sampled_tokens(self) -> int:

@@ -34,7 +34,7 @@ from batchgen.model.config import ModelInfo
 from batchgen.model.loader import load_model
 from batchgen.plan import (
     Placement,
-    engine_config,
+    engine_settings,
     max_model_len,
     plan_num_blocks,
     sampling_params,
@@ -92,7 +92,7 @@ class RowGenerator:
         self.engine = Engine(
             model,
             info,
-            engine_config(job, place, num_blocks, self.max_model_len),
+            engine_settings(job, place, num_blocks, self.max_model_len),
             device=place.device,
             dtype=place.dtype,
             kv_dtype=place.kv_cache_dtype,

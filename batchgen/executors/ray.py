@@ -8,9 +8,9 @@ output folder; the *workers* (Ray actors, one engine each) only generate.
   blocks of their prompts and assigns the groups to workers.
 - **Run.** Each worker runs a :class:`~batchgen.executors.local.RowGenerator` (the local executor's model
   loading, engine, feeding and result rows) over its shard, and streams finished input rows (all
-  n samples of a row) back in chunks, about every ``output.commit_rows`` / ``commit_seconds``,
+  n samples of a row) back in deliveries, about every ``output.commit_rows`` / ``commit_seconds``,
   through a Ray generator (at least every second, for the progress bar), pausing while
-  ``CHUNKS_AHEAD`` of its chunks wait unread by the driver. Shards travel through
+  ``DELIVERIES_AHEAD`` of its deliveries wait unread by the driver. Shards travel through
   Ray's object store; each worker keeps one shard queued behind the one it runs, so it does not
   wait for the driver between shards.
 - **Write.** The job loop hands the rows to the same :class:`~batchgen.results.PartWriter` as a
@@ -18,7 +18,7 @@ output folder; the *workers* (Ray actors, one engine each) only generate.
   a committed part lists it, and a resumed run (with any executor) skips committed ids.
 - **Faults.** Actors are created with ``max_restarts`` (Ray restarts a worker process that died;
   the new process loads its model again) and ``max_task_retries=0``: Ray would replay a failed
-  generator from the start and expects the same chunks, which time-cut chunks are not. Instead
+  generator from the start and expects the same deliveries, which time-cut deliveries are not. Instead
   the driver resubmits the shard (still in the object store) with the ids it has not received
   yet; a row it already holds is never accepted again. A worker that dies while it loads its
   model loads it again once restarted. A worker that is dead for good (restarts
@@ -52,7 +52,7 @@ from ray.exceptions import (
 )
 
 from batchgen.errors import BatchgenError, JobError
-from batchgen.executors.ray_worker import Chunk, Worker
+from batchgen.executors.ray_worker import Delivery, Worker
 from batchgen.executors.sharding import Planner, PrefixGroup, common_prefix
 from batchgen.fingerprint import numerics
 from batchgen.job import ExecutorConfig, Job
@@ -308,10 +308,10 @@ class RayExecutor:
         task.slot.queued += 1
 
     def _advance(self, gen: Any) -> None:
-        """Take the next chunk of one ready shard; handle its end or its worker's death."""
+        """Take the next delivery of one ready shard; handle its end or its worker's death."""
         task = self.tasks[gen]
         try:
-            chunk = ray.get(next(gen))
+            delivery = ray.get(next(gen))
         except StopIteration:
             self._finish(gen)
             if task.remaining:
@@ -326,23 +326,23 @@ class RayExecutor:
             return
         except RayTaskError as err:
             raise _unwrap(err) from None
-        self._receive(task, chunk)
+        self._receive(task, delivery)
 
     def _finish(self, gen: Any) -> None:
         task = self.tasks.pop(gen)
         task.slot.queued -= 1
 
-    def _receive(self, task: _Task, chunk: Chunk) -> None:
+    def _receive(self, task: _Task, delivery: Delivery) -> None:
         slot = task.slot
-        self._seen(slot, chunk.pid)
-        for group in chunk.groups:
+        self._seen(slot, delivery.pid)
+        for group in delivery.groups:
             cost = task.remaining.pop(group[0]["id"], None)
             if cost is None:
                 continue  # already accepted (a resubmitted shard raced its first run): not twice
             slot.outstanding -= cost
             self._ready.append(group)
             slot.totals.add(group)
-        for key, value in chunk.stats.items():
+        for key, value in delivery.stats.items():
             if key == "peak_kv_blocks_used":
                 slot.stats[key] = max(slot.stats.get(key, 0), value)
             else:

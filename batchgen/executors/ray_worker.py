@@ -1,6 +1,6 @@
 """The body of a Ray actor of ``executor.kind: ray``: one engine on one model (a
 :class:`~batchgen.executors.local.RowGenerator`), running the shards the driver sends and
-streaming finished input rows back in :class:`Chunk` s (see :mod:`batchgen.executors.ray`)."""
+streaming finished input rows back in :class:`Delivery` s (see :mod:`batchgen.executors.ray`)."""
 
 from __future__ import annotations
 
@@ -21,16 +21,17 @@ from batchgen.plan import resolve_placement
 from batchgen.prompts import EncodedRow
 from batchgen.schema import RowGroup
 
-CHUNK_SECONDS = 1.0  # a worker hands back finished rows at least this often (for the progress bar)
-# A worker pauses when this many of its chunks wait unread by the driver: the rows in flight stay
-# bounded, and a worker never runs a whole shard ahead of what the driver has seen.
-CHUNKS_AHEAD = 4
+# A worker hands back finished rows at least this often (for the progress bar).
+DELIVERY_SECONDS = 1.0
+# A worker pauses when this many of its deliveries wait unread by the driver: the rows in flight
+# stay bounded, and a worker never runs a whole shard ahead of what the driver has seen.
+DELIVERIES_AHEAD = 4
 
 
 @dataclass
-class Chunk:
+class Delivery:
     """What a worker streams back: finished input rows and its engine's figures since the last
-    chunk (``peak_kv_blocks_used`` is a level, not a delta)."""
+    delivery (``peak_kv_blocks_used`` is a level, not a delta)."""
 
     groups: list[RowGroup]
     stats: dict[str, float]
@@ -78,32 +79,32 @@ class Worker:
             },
         }
 
-    @ray.method(_generator_backpressure_num_objects=CHUNKS_AHEAD)
+    @ray.method(_generator_backpressure_num_objects=DELIVERIES_AHEAD)
     def run(
         self,
         shard: list[EncodedRow],
         only: frozenset[Any] | None,
         commit_rows: int,
         commit_seconds: float,
-    ) -> Iterator[Chunk]:
+    ) -> Iterator[Delivery]:
         """Generate the rows of ``shard`` (those with ids in ``only``, when given) and yield
-        them in chunks of about ``commit_rows`` output rows, or every ``commit_seconds`` (at
-        most :data:`CHUNK_SECONDS`)."""
+        them in deliveries of about ``commit_rows`` output rows, or every ``commit_seconds`` (at
+        most :data:`DELIVERY_SECONDS`)."""
         self.load()
         gen = self.generator
         assert gen is not None
         rows = shard if only is None else [e for e in shard if e.row.id in only]
         buffer = gen.feed(rows)
         last = time.monotonic()
-        every = min(commit_seconds, CHUNK_SECONDS)
+        every = min(commit_seconds, DELIVERY_SECONDS)
         while gen.has_work():
             buffer += gen.step()
             samples = sum(len(g) for g in buffer)
             if buffer and (samples >= commit_rows or time.monotonic() - last >= every):
-                yield Chunk(buffer, self._stats(), os.getpid())
+                yield Delivery(buffer, self._stats(), os.getpid())
                 buffer = []
                 last = time.monotonic()
-        yield Chunk(buffer, self._stats(), os.getpid())
+        yield Delivery(buffer, self._stats(), os.getpid())
 
     def _stats(self) -> dict[str, float]:
         assert self.generator is not None

@@ -17,7 +17,7 @@ from typing import Any
 
 from batchgen.errors import JobError, ModelError
 
-# The files a model folder needs (SPEC: config, safetensors weights, tokenizer files).
+# The files a model folder needs (docs/job-file.md: config, safetensors weights, tokenizer files).
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 # <cache>/models--org--name/snapshots/<commit>: the layout huggingface_hub writes.
 _SNAPSHOT_RE = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[^/]+)$")
