@@ -472,7 +472,9 @@ def test_config_parsing(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     cfg = parse(rope_theta=500000.0, rope_scaling=llama31)
     assert cfg.rope.rope_type == "llama3" and cfg.rope.original_max_position_embeddings == 8192
     assert parse().rope.rope_type == "default"
-    with pytest.raises(ModelError, match="unsupported rope type 'longrope'"):
+    with pytest.raises(ModelError, match="unsupported rope type 'proportional'"):
+        parse(rope_scaling={"rope_type": "proportional", "factor": 2.0})
+    with pytest.raises(ModelError, match="longrope needs short_factor and long_factor"):
         parse(rope_scaling={"rope_type": "longrope", "factor": 2.0})
     with pytest.raises(ModelError, match="'hidden_size' must be a positive integer"):
         parse(hidden_size=None)
