@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from batchgen.model.attention.metadata import AttentionMetadata
 
-__all__ = ["TritonAttention"]
+__all__ = ["TritonAttention", "TritonPlan"]
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """The step's metadata plus the layers' window and softcap (the kernels need no more)."""
+
+    meta: AttentionMetadata
+    window: int | None = None
+    softcap: float | None = None
 
 
 class TritonAttention:
@@ -29,11 +40,9 @@ class TritonAttention:
         dtype: torch.dtype | None = None,
         window: int | None = None,
         softcap: float | None = None,
-    ) -> AttentionMetadata:
-        """The kernels need nothing beyond the metadata: it is the plan."""
-        if window is not None or softcap is not None:
-            raise NotImplementedError("sliding windows and softcaps are not in the Triton kernels yet")
-        return meta
+    ) -> TritonPlan:
+        """The kernels need nothing beyond the metadata, the window and the softcap."""
+        return TritonPlan(meta, window, softcap)
 
     def forward(
         self,
@@ -42,7 +51,7 @@ class TritonAttention:
         v: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
-        plan: AttentionMetadata,
+        plan: TritonPlan,
         scale: float,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
@@ -53,7 +62,7 @@ class TritonAttention:
             from batchgen.kernels import paged_attention, store_kv
 
             self._store_kv, self._paged_attention = store_kv, paged_attention
-        meta = plan
+        meta = plan.meta
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return self._paged_attention(
             q,
@@ -68,4 +77,6 @@ class TritonAttention:
             num_decode_seqs=meta.num_decodes,
             k_scale=k_scale,
             v_scale=v_scale,
+            window=plan.window,
+            softcap=plan.softcap,
         )
