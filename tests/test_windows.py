@@ -80,10 +80,11 @@ def windowed_reference(
     first_pos: int,
     window: int | None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence: q ``[Lq, Hq, D]`` at positions first_pos.., keys/values ``[Lk, Hkv, D]``
     (positions 0..), each row sees keys ``p-W+1 .. p`` (None: ``0 .. p``), scores capped by
-    ``softcap * tanh(s / softcap)``; fp32."""
+    ``softcap * tanh(s / softcap)``, one more softmax term ``exp(sinks[h])`` per head; fp32."""
     lq, hq, _ = q.shape
     lk, hkv, _ = keys.shape
     k = keys.repeat_interleave(hq // hkv, dim=1)
@@ -95,6 +96,9 @@ def windowed_reference(
     kpos = torch.arange(lk)[None, :]
     visible = (kpos <= pos) & (kpos > pos - (window or lk + first_pos + lq))
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[:, None, None].expand(-1, lq, 1)], dim=-1)
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1)[..., :-1], v.float())
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float())
 
 
@@ -107,16 +111,27 @@ STEP = [(1, 5), (1, 16), (1, 40), (12, 12), (45, 45), (6, 30), (20, 37), (3, 17)
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
 @pytest.mark.parametrize(
-    "window,softcap", [(WINDOW, None), (None, 2.0), (WINDOW, 2.0)], ids=["w", "cap", "w-cap"]
-)
+    "window,softcap,sink",
+    [(WINDOW, None, False), (None, 2.0, False), (WINDOW, 2.0, False), (WINDOW, None, True),
+     (None, None, True)],
+    ids=["w", "cap", "w-cap", "w-sink", "sink"],
+)  # fmt: skip
 def test_windowed_attention_matches_the_definition(
-    native: bool, dtype: torch.dtype, hq: int, hkv: int, window: int | None, softcap: float | None
+    native: bool,
+    dtype: torch.dtype,
+    hq: int,
+    hkv: int,
+    window: int | None,
+    softcap: float | None,
+    sink: bool,
 ) -> None:
-    """Windowed and softcapped attention (Gemma 2's) in the C kernels and the PyTorch plan."""
+    """Windowed and softcapped attention (Gemma 2's), and gpt-oss's sinks, in the C kernels and
+    the PyTorch plan."""
     if native:
         require("cpu_kernels")
     d, bs = 64, 4
     gen = torch.Generator().manual_seed(hq)
+    sinks = torch.randn(hq, generator=gen) if sink else None
     blocks_of = [math.ceil(k / bs) for _, k in STEP]
     num_blocks = sum(blocks_of) + 3
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
@@ -141,7 +156,7 @@ def test_windowed_attention_matches_the_definition(
         qs.append(q)
         ks.append(keys[k_len - q_len :])
         vs.append(values[k_len - q_len :])
-        want.append(windowed_reference(q, keys, values, k_len - q_len, window, softcap))
+        want.append(windowed_reference(q, keys, values, k_len - q_len, window, softcap, sinks))
     cu = [0]
     for q_len, _ in STEP:
         cu.append(cu[-1] + q_len)
@@ -157,8 +172,9 @@ def test_windowed_attention_matches_the_definition(
     plan = attn.prepare(meta, cache[None], hq, window=window, softcap=softcap)
     assert (plan.kernels is not None) == native
     out = attn.forward(
-        torch.cat(qs), torch.cat(ks), torch.cat(vs), cache[0], cache[1], plan, d**-0.5
-    )
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), cache[0], cache[1], plan, d**-0.5,
+        sinks=sinks,
+    )  # fmt: skip
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for b, w in enumerate(want):
         err = (out[cu[b] : cu[b + 1]].float() - w).abs().max().item()

@@ -76,11 +76,15 @@ class AttentionBackend(Protocol[Plan]):
         scale: float,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """q ``[T,Hq,D]``, k/v ``[T,Hkv,D]``, caches ``[num_blocks, block_size, Hkv, D]`` (one
         layer's planes of the kv_cache given to ``prepare``); for a quantized cache, that
         layer's scale planes ``[num_blocks, block_size, Hkv]`` fp32 (None for a float cache).
         The new K/V are stored (quantized) first; every key is then read from the cache.
+
+        ``sinks [Hq]`` fp32 (gpt-oss): each head's softmax has one more term, ``exp(sinks[h])``,
+        with no value (the output is scaled by ``sigmoid(lse - sink)``).
 
         Returns ``[T,Hq,D]``. GQA: ``Hq % Hkv == 0``; query head h uses KV head ``h // (Hq/Hkv)``.
         """

@@ -92,6 +92,12 @@ def _attend(
     )
 
 
+def _rows(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention out ``[n, H, L, D]`` and lse ``[n, H, L]`` -> rows ``[n*L, H, D]``, ``[n*L, H]``."""
+    n, h, length, d = o.shape
+    return o.transpose(1, 2).reshape(n * length, h, d), lse.transpose(1, 2).reshape(n * length, h)
+
+
 class TorchAttention:
     """PyTorch paged attention (the CPU production path).
 
@@ -168,9 +174,12 @@ class TorchAttention:
         scale: float,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """See ``AttentionBackend.forward``. A quantized cache is read dequantized (to q's
-        dtype) by the gathers, the step's own K/V included (FRESH groups use the stored rows)."""
+        dtype) by the gathers, the step's own K/V included (FRESH groups use the stored rows).
+        Sinks: every path also yields its rows' log-sum-exps, and the fp32 output is scaled by
+        ``sigmoid(lse - sink)`` at the end (after any cascade merge)."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         meta, kernels = plan.meta, plan.kernels
@@ -201,7 +210,8 @@ class TorchAttention:
         quant = {} if scales is None else {"k_scale": k_scale, "v_scale": v_scale}
 
         if (
-            len(plan.groups) == 1
+            sinks is None
+            and len(plan.groups) == 1
             and plan.groups[0].q_index is None
             and not plan.cascades
             and plan.cascade_batch is None
@@ -213,10 +223,11 @@ class TorchAttention:
             )[0]
         # a native cascade merge reads and rewrites out: fp32 until then (bf16 q: one rounding)
         cb = plan.cascade_batch
+        fp32_out = cb is not None or sinks is not None
         out = q.new_empty(
-            num_tokens, num_heads, head_dim, dtype=q.dtype if cb is None else torch.float32
+            num_tokens, num_heads, head_dim, dtype=torch.float32 if fp32_out else q.dtype
         )
-        with_lse = plan.cascades or cb is not None
+        with_lse = plan.cascades or cb is not None or sinks is not None
         lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if with_lse else None
         for seqs, tiled in ((plan.native_seqs, False), (plan.tiled_seqs, True)):
             if seqs is None:
@@ -241,7 +252,9 @@ class TorchAttention:
             )
         for g in plan.groups:
             # [n*max_q, Hq, D], [.., Hq]
-            o, lse = self._group(g, q, k, v, k_flat, v_flat, scale, scales, plan.softcap)
+            o, lse = self._group(
+                g, q, k, v, k_flat, v_flat, scale, scales, plan.softcap, sinks is not None
+            )
             if g.out_select is not None:
                 o = o.index_select(0, g.out_select)
                 lse = None if lse is None else lse.index_select(0, g.out_select)
@@ -261,6 +274,9 @@ class TorchAttention:
         for c in plan.cascades:
             assert lse_all is not None
             self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale, scales)
+        if sinks is not None:  # softmax over the keys and the sink = the keys' share of it
+            assert lse_all is not None
+            out.mul_(torch.sigmoid(lse_all - sinks.float())[..., None])
         return out.to(q.dtype)
 
     def _group(
@@ -274,9 +290,10 @@ class TorchAttention:
         scale: float,
         scales: tuple[Tensor, Tensor] | None = None,
         softcap: float | None = None,
+        need_lse: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """One padded group -> out ``[n*max_q, Hq, D]`` (padded rows included) and, for cascade
-        members, the log-sum-exp ``[n*max_q, Hq]``."""
+        members (or ``need_lse``), the log-sum-exp ``[n*max_q, Hq]``."""
         _, hq, d = q.shape
         hkv = k.shape[1]
         grp = hq // hkv
@@ -290,6 +307,9 @@ class TorchAttention:
             vg = v if g.q_index is None else v.index_select(0, g.q_index)
             kg = kg.view(n, max_q, hkv, d).transpose(1, 2)  # [n, Hkv, max_q, D]
             vg = vg.view(n, max_q, hkv, d).transpose(1, 2)
+            if need_lse:
+                o, lse = _attend_lse(qg.transpose(1, 2), kg, vg, None, scale, softcap, True)
+                return _rows(o, lse)
             o = _attend(
                 qg.transpose(1, 2), kg, vg, None, scale, softcap, is_causal=True
             )  # [n, Hq, max_q, D]
@@ -303,18 +323,19 @@ class TorchAttention:
         step = max(1, _GATHER_CHUNK_BYTES // per_seq)
         if step >= n:
             return self._attend_cached(
-                g, qg, slots, g.mask, k_flat, v_flat, scale, scales, softcap
+                g, qg, slots, g.mask, k_flat, v_flat, scale, scales, softcap, need_lse
             )
         outs, lses = [], []
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             mask = None if g.mask is None else g.mask[lo:hi]
             o, lse = self._attend_cached(
-                g, qg[lo:hi], slots[lo:hi], mask, k_flat, v_flat, scale, scales, softcap
+                g, qg[lo:hi], slots[lo:hi], mask, k_flat, v_flat, scale, scales, softcap, need_lse
             )
             outs.append(o)
             lses.append(lse)
-        return torch.cat(outs), None if not g.want_lse else torch.cat(lses)  # type: ignore[arg-type]
+        keep = g.want_lse or need_lse
+        return torch.cat(outs), None if not keep else torch.cat(lses)  # type: ignore[arg-type]
 
     def _attend_cached(
         self,
@@ -327,6 +348,7 @@ class TorchAttention:
         scale: float,
         scales: tuple[Tensor, Tensor] | None = None,
         cap: float | None = None,
+        need_lse: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Sequences ``qg [m, max_q, Hq, D]`` against their gathered keys ``slots [m, max_k]``
         -> out ``[m*max_q, Hq, D]`` and (want_lse) lse ``[m*max_q, Hq]``."""
@@ -345,6 +367,9 @@ class TorchAttention:
             if g.want_lse:
                 o, lse = _attend_lse(qp, kg, vg, mask, scale, cap)  # [m,Hkv,G,D], [m,Hkv,G]
                 return o.reshape(m, hq, d), lse.reshape(m, hq)
+            if need_lse:
+                o, lse = _attend_lse(qp, kg, vg, mask, scale, cap)
+                return o.reshape(m, hq, d), lse.reshape(m, hq)
             o = _attend(qp, kg, vg, mask, scale, cap)
             return o.reshape(m, hq, d), None
         if g.want_lse:
@@ -357,6 +382,8 @@ class TorchAttention:
             o = o.view(m, hkv, max_q, grp, d).permute(0, 2, 1, 3, 4).reshape(m * max_q, hq, d)
             lse = lse.view(m, hkv, max_q, grp).permute(0, 2, 1, 3).reshape(m * max_q, hq)
             return o, lse
+        if need_lse:
+            return _rows(*_attend_lse(qg.transpose(1, 2), kg, vg, mask, scale, cap))
         o = _attend(qg.transpose(1, 2), kg, vg, mask, scale, cap)  # [m, Hq, max_q, D]
         return o.transpose(1, 2).reshape(m * max_q, hq, d), None
 

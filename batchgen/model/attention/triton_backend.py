@@ -55,6 +55,7 @@ class TritonAttention:
         scale: float,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """See ``AttentionBackend.forward``: a quantized cache is quantized on store and
         dequantized on load by the kernels."""
@@ -79,4 +80,5 @@ class TritonAttention:
             v_scale=v_scale,
             window=plan.window,
             softcap=plan.softcap,
+            sinks=None if sinks is None else sinks.float(),
         )
