@@ -111,6 +111,30 @@ PHI3: dict = dict(
 )
 
 
+# gpt-oss: 4 experts, top 2, biases, a sliding (16) and a full layer, sinks, YaRN
+GPT_OSS: dict = dict(
+    arch="gpt_oss",
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=32,
+    config_overrides=dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=4.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=128,
+        ),
+    ),
+)
+
+
 def hf_model(model: str | Path, dtype: torch.dtype = torch.float32):
     """transformers' model of a model folder, or of a ``.gguf`` file (read by transformers' own
     GGUF loader: dequantized into ``dtype``), in eval mode."""

@@ -76,6 +76,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, layers) if cfg.qk_norm else None
         self.k_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, layers) if cfg.qk_norm else None
+        self.sinks: nn.Parameter | None = None  # [Hq] sink logits (gpt-oss sets them)
 
     def forward(
         self,
@@ -110,8 +111,10 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].view(t, hq, d))  # [T, Hq, D]
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d))
             q, k = self.rope_(q, cos, sin), self.rope_(k, cos, sin)
-        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-        o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale, **scales)
+        extra = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
+        o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale, **extra)
         return self.o_proj.add_(residual, o.reshape(t, self.q_size))
 
 
