@@ -322,6 +322,7 @@ def _(tmp: Path, model: Path) -> tuple[Path, list[str], list[str]]:
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
         "Phi3ForCausalLM",
+        "GptOssForCausalLM",
     ]
     return with_job(tmp, m), [], needles
 

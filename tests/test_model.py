@@ -581,7 +581,7 @@ def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     assert str(err.value).endswith(
         "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
         "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM, Gemma2ForCausalLM, "
-        "Gemma3ForCausalLM, Phi3ForCausalLM"
+        "Gemma3ForCausalLM, Phi3ForCausalLM, GptOssForCausalLM"
     )
 
     no_weights = copy_model(model_dirs["mistral"], tmp_path, "no_weights")
