@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
+from batchgen.engine.backends import Backends, Switches, choose_backends
 from batchgen.engine.engine import EngineSettings
 from batchgen.engine.request import SamplingParams
 from batchgen.errors import JobError
@@ -119,13 +119,20 @@ def resolve_placement(job: Job) -> Placement:
     else:
         backend = eng.attention_backend
     _check_cuda_graphs(eng.cuda_graphs, device, backend)
-    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    interpreted = Switches.from_environment().triton_interpret
+    if backend == "triton" and device.type == "cpu" and not interpreted:
         raise JobError(
             "engine.attention_backend is 'triton' on a CPU: set TRITON_INTERPRET=1 "
             "(slow, for testing) or use 'torch'"
         )
     kv_dtype = resolve_kv_cache_dtype(eng.kv_cache_dtype, device, dtype)
     return Placement(device, dtype, backend, reason, kv_dtype)
+
+
+def plan_backends(place: Placement) -> Backends:
+    """The kernels of an engine of this placement, chosen once (the model is built with them and
+    the engine runs them): :func:`batchgen.engine.backends.choose_backends`."""
+    return choose_backends(place.device, place.dtype, place.backend)
 
 
 def _check_cuda_graphs(setting: str, device: torch.device, backend: str) -> None:

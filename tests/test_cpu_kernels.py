@@ -292,13 +292,21 @@ def test_rejects_unsupported_inputs(kernel: CpuKernels) -> None:
 
 def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget the process's kernels for this test: the next load() builds them again."""
-    monkeypatch.setattr(cpu_kernels, "_KERNELS", Once(cpu_kernels._build))
+    fresh = {v: Once(lambda v=v: cpu_kernels.build(v)) for v in (True, False)}
+    monkeypatch.setattr(cpu_kernels, "_KERNELS", fresh)
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BATCHGEN_CPU_KERNEL=0: the engine's kernel choice keeps every path in PyTorch."""
+    from batchgen.engine.backends import choose_backends
+    from batchgen.engine.noise import TORCH_FORMULA
+
     monkeypatch.setenv("BATCHGEN_CPU_KERNEL", "0")
-    fresh_loader(monkeypatch)
-    assert cpu_kernels.load() is None
+    for dtype in (torch.float32, torch.bfloat16):
+        backends = choose_backends(torch.device("cpu"), dtype, "torch")
+        assert backends.layers.cpu is None and backends.layers.gemm is None
+        assert backends.sampler == TORCH_FORMULA
+        assert backends.attention._use_native is False
 
 
 def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -413,7 +421,7 @@ def test_silu_mul_bf16_matches_torch(bf16_kernel: CpuKernels, inter: int) -> Non
 
 
 def native_sampler_kernels(kernel: CpuKernels) -> SamplerKernels:
-    """What the engine hands the sampler on a CPU (engine._default_sampler_kernels)."""
+    """What the engine hands the sampler on a CPU (engine.backends.choose_backends)."""
     return SamplerKernels(uniform_noise=kernel.uniform_noise, race_draw=kernel.race_draw)
 
 

@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.model import cpu_kernels
 from batchgen.model.attention import TorchAttention
 from batchgen.model.loader import load_model
-from batchgen.model.once import Once
 from batchgen.model.registry import read_model_config
 from batchgen.tiny_model import make_prompts
 from tests.hf_reference import GPT_OSS, hf_greedy, hf_logits
@@ -64,7 +62,7 @@ def test_greedy_job_matches_transformers_generate(
     if path == "native":
         require("cpu_kernels")
     elif path == "torch":
-        monkeypatch.setattr(cpu_kernels, "_KERNELS", Once(lambda: None))
+        monkeypatch.setenv("BATCHGEN_CPU_KERNEL", "0")
     tok = AutoTokenizer.from_pretrained(gpt_oss_dir)
     prompts = make_prompts(3, seed=41, min_words=12, max_words=30)
     sampling = {"temperature": 0, "max_tokens": 10}

@@ -222,10 +222,12 @@ def test_each_gemm_serves_one_dtype_on_the_cpu() -> None:
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchgen.engine.backends import choose_backends
+
     monkeypatch.setenv("BATCHGEN_PACK_WEIGHTS", "0")
     fresh_lookups(monkeypatch)
-    assert packed_linear.for_dtype(CPU, torch.float32) is None
-    assert onednn_linear.for_dtype(CPU, torch.bfloat16) is None
+    assert choose_backends(CPU, torch.float32, "torch").layers.gemm is None
+    assert choose_backends(CPU, torch.bfloat16, "torch").layers.gemm is None
 
 
 def test_missing_library_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -267,13 +269,14 @@ def test_packed_layers_drop_the_original_weight(gemm: Gemm) -> None:
 
 
 def load_tiny(folder: Path, dtype: torch.dtype, tied: bool):
-    from batchgen.model.attention import TorchAttention
+    from batchgen.engine.backends import choose_backends
     from batchgen.model.loader import load_model
     from batchgen.tiny_model import make_tiny_model
 
     if not folder.exists():
         make_tiny_model(folder, tie_word_embeddings=tied)
-    return load_model(folder, CPU, dtype, TorchAttention())[0]
+    backends = choose_backends(CPU, dtype, "torch")  # as an engine's plan chooses them
+    return load_model(folder, CPU, dtype, backends.attention, layers=backends.layers)[0]
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

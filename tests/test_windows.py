@@ -21,9 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.model import cpu_kernels
 from batchgen.model.attention import AttentionMetadata, TorchAttention
-from batchgen.model.once import Once
 from batchgen.model.registry import parse_config, read_model_config
 from batchgen.tiny_model import make_prompts
 from tests.hf_reference import WINDOW_ARCHS, hf_greedy, hf_logits
@@ -226,7 +224,7 @@ def test_greedy_job_matches_transformers_generate(
     if native:
         require("cpu_kernels")
     else:
-        monkeypatch.setattr(cpu_kernels, "_KERNELS", Once(lambda: None))
+        monkeypatch.setenv("BATCHGEN_CPU_KERNEL", "0")
     from transformers import AutoTokenizer
 
     model = window_dirs[arch]
@@ -235,6 +233,8 @@ def test_greedy_job_matches_transformers_generate(
     sampling = {"temperature": 0, "max_tokens": 12}
     engine = {"block_size": 4, "max_num_batched_tokens": 24, "max_num_seqs": 3}
     rows = run_job(write_job(tmp_path, model, prompts, sampling=sampling, engine=engine))
+    report = json.loads((tmp_path / "out" / ".batchgen" / "report.json").read_text())
+    assert report["cpu_kernels"] is native
     ids = [tok(p)["input_ids"] for p in prompts]
     assert min(len(i) for i in ids) > 2 * WINDOW
     expected = hf_greedy(model, ids, 12)

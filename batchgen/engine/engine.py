@@ -18,19 +18,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.engine.backends import Backends, choose_backends
 from batchgen.engine.batch import build_step
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.device import device_guard
 from batchgen.engine.grammar import apply_masks
-from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels
 from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import Request, SampleResult, TokenSequence
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
 from batchgen.engine.staging import PendingReadback, Readback, Staging
 from batchgen.engine.stop import StopStrings
-from batchgen.model import cpu_kernels
 from batchgen.model.config import ModelInfo
 
 
@@ -42,7 +41,7 @@ class EngineSettings:
     max_num_batched_tokens: int
     max_model_len: int
     prefix_caching: bool = True
-    attention_backend: str = "torch"  # "torch" | "triton": also picks the block-copy function
+    attention_backend: str = "torch"  # "torch" | "triton" (the kernels are Backends')
     cuda_graphs: bool = False  # decode-only steps from CUDA graphs (needs CUDA and triton)
     overlap: bool = False  # launch each step before reading the previous one's tokens back
 
@@ -90,24 +89,24 @@ class Engine:
         dtype: torch.dtype,
         kv_dtype: torch.dtype | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
-        sampler_kernels: SamplerKernels | None = None,
+        backends: Backends | None = None,
         check_invariants: bool = False,
     ) -> None:
         """``dtype`` is the model's compute dtype, ``kv_dtype`` the KV cache's (None: dtype;
         int8 or float8_e4m3fn: a quantized cache with one fp32 scale per token and KV head, in
-        ``kv_scales``). ``detokenize`` is needed only for stop strings; ``sampler_kernels`` are the sampler's
-        native kernels (default: the C kernels on a CPU when they can be built, else the PyTorch
-        formula); ``check_invariants`` runs the block accounting checks after every schedule and
+        ``kv_scales``). ``detokenize`` is needed only for stop strings; ``backends``: the kernels
+        the model was built with, whose block copy and sampler kernels the engine runs (default:
+        :func:`~batchgen.engine.backends.choose_backends`' choice here); ``check_invariants`` runs the block accounting checks after every schedule and
         update (tests)."""
         self.model = model
         self.config = config
         self.device = device
         self.vocab_size = info.vocab_size
         self.check_invariants = check_invariants
-        self.sampler_kernels = (
-            sampler_kernels if sampler_kernels is not None else _default_sampler_kernels(device)
-        )
-        self.copy_blocks = _copy_blocks_fn(config.attention_backend)
+        if backends is None:
+            backends = choose_backends(device, dtype, config.attention_backend)
+        self.sampler_kernels = backends.sampler
+        self.copy_blocks = backends.copy_blocks
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
         # the torch path must see finite values.
         kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -321,31 +320,3 @@ class Engine:
             constrained=seq.constraint is not None,
             complete=seq.constraint is not None and seq.constraint.accepting,
         )
-
-
-def _default_sampler_kernels(device: torch.device) -> SamplerKernels:
-    """The Triton kernels' noise, plain draw and filtered draw on CUDA; the C kernels' noise and
-    plain draw on a CPU when they can be built (filtered rows rank in PyTorch there)."""
-    if device.type == "cuda":
-        from batchgen.kernels.sampler import filtered_draw, race_draw, uniform_noise
-
-        return SamplerKernels(
-            uniform_noise=uniform_noise,
-            race_draw=race_draw,
-            filtered_draw=filtered_draw,
-            device_type="cuda",
-        )
-    native = cpu_kernels.load() if device.type == "cpu" else None
-    if native is None:
-        return TORCH_FORMULA
-    return SamplerKernels(uniform_noise=native.uniform_noise, race_draw=native.race_draw)
-
-
-def _copy_blocks_fn(backend: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
-    if backend == "triton":
-        from batchgen.kernels import copy_blocks
-
-        return copy_blocks
-    from batchgen.model.block_copy import copy_blocks  # the torch path imports no Triton
-
-    return copy_blocks

@@ -28,14 +28,13 @@ from batchgen.engine.request import (
 from batchgen.fingerprint import numerics
 from batchgen.host_memory import keep_freed_memory
 from batchgen.job import Job
-from batchgen.model import cpu_kernels
-from batchgen.model.attention import make_attention_backend
 from batchgen.model.config import ModelInfo
 from batchgen.model.loader import load_model
 from batchgen.plan import (
     Placement,
     engine_settings,
     max_model_len,
+    plan_backends,
     plan_num_blocks,
     sampling_params,
 )
@@ -83,10 +82,16 @@ class RowGenerator:
         )
         self.pending: dict[int, PendingRow] = {}
         self.next_handle = 0
-        attention = make_attention_backend(place.backend)
+        self.backends = plan_backends(place)
         if place.device.type == "cpu":
             keep_freed_memory()  # step activations reuse mapped pages instead of faulting anew
-        model, _ = load_model(job.model, place.device, place.dtype, attention)
+        model, _ = load_model(
+            job.model,
+            place.device,
+            place.dtype,
+            self.backends.attention,
+            layers=self.backends.layers,
+        )
         num_blocks = plan_num_blocks(job, info, place, model=model)
         self.max_model_len = max_model_len(job, info, num_blocks)
         self.engine = Engine(
@@ -97,6 +102,7 @@ class RowGenerator:
             dtype=place.dtype,
             kv_dtype=place.kv_cache_dtype,
             detokenize=self._decode if self.params.stop or _stop_per_row(job) else None,
+            backends=self.backends,
         )
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -236,7 +242,7 @@ class RowGenerator:
             "kv_bytes_per_token": self.info.kv_bytes_per_token(self.place.kv_cache_dtype),
             "attention_backend": self.place.backend,
             # the C kernels of batchgen.model.cpu_kernels ran (CPU, fp32/bf16, a compiler was found)
-            "cpu_kernels": cpu_kernels.for_dtype(self.place.device, self.place.dtype) is not None,
+            "cpu_kernels": self.backends.layers.cpu is not None,
         }
 
 

@@ -1,7 +1,9 @@
-"""CPU kernels in C (``cpu_kernels.c``): paged attention straight from the block-paged KV cache
-(per token for decodes, tiled for prefills and extends), attention over a shared prefix (cascade)
-merged into its rows' results, the K/V store, one-pass RMSNorm, RoPE and SwiGLU (each for fp32
-and for bf16 tensors), and the sampler's hashed noise and temperature-only draw (fp32).
+"""CPU kernels in C (``cpu_kernels.c``, which includes ``cpu_kernels_simd.h``,
+``cpu_kernels_attention.c`` and ``cpu_kernels_layers.c``): paged attention straight from the
+block-paged KV cache (per token for decodes, tiled for prefills and extends), attention over a
+shared prefix (cascade) merged into its rows' results, the K/V store, one-pass RMSNorm, RoPE and
+SwiGLU (each for fp32 and for bf16 tensors), and the sampler's hashed noise and temperature-only
+draw (fp32).
 
 int8 KV cache (``kv_cache_dtype: int8``): the store quantizes each (token, KV head) row with its
 own fp32 scale (``kernels.reference.quantize_kv_ref``'s rule, bit for bit) into int8 caches and
@@ -10,7 +12,7 @@ registers and applying each scale once per (token, head).
 
 bf16 tensors: attention reads bf16 K/V in place and computes in fp32 (AVX512-BF16 dot products
 for q.k where the compiler targets them, a portable conversion otherwise;
-``BATCHGEN_CPU_KERNEL_AVX512BF16=0`` builds without them), rounding its output once; the
+``load(avx512bf16=False)`` builds without them), rounding its output once; the
 elementwise kernels follow batchgen's PyTorch bf16 layers (see the C file).
 
 The pure-PyTorch path has to copy every sequence's keys and values out of the paged cache into
@@ -18,8 +20,9 @@ contiguous buffers before ``scaled_dot_product_attention`` can read them: on dec
 copy (and the second read it causes) is most of the attention time. The C kernel reads the blocks
 in place. The elementwise kernels replace chains of torch ops that each make a pass over memory.
 The library is compiled on first use with the system C compiler into a per-user cache folder and
-called through ctypes; when no compiler is found, or ``BATCHGEN_CPU_KERNEL=0``, :func:`load`
-returns None and callers keep the PyTorch path.
+called through ctypes; when no compiler is found :func:`load` returns None and callers keep the
+PyTorch path. Whether to use them at all (``BATCHGEN_CPU_KERNEL=0``) and which variant is chosen
+once per engine, by :func:`batchgen.engine.backends.choose_backends`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ __all__ = ["CpuKernels", "build", "for_dtype", "load"]
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# the files of its one translation unit (cpu_kernels.c includes the others): all in the cache key
+_SOURCES = (
+    _SOURCE,
+    _SOURCE.with_name("cpu_kernels_simd.h"),
+    _SOURCE.with_name("cpu_kernels_attention.c"),
+    _SOURCE.with_name("cpu_kernels_layers.c"),
+)
 # -fopenmp: the library needs libgomp.so.1, which resolves to the copy torch has already loaded,
 # so the kernel's threads are torch's intra-op pool (see the C file)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
@@ -78,7 +88,7 @@ def _cpu_signature() -> str:
 
 def _compile(cc: str, flags: list[str] = _FLAGS) -> Path:
     """Build the shared library unless a matching one is cached; returns its path."""
-    source = _SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in _SOURCES)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         b"\0".join(
@@ -537,28 +547,25 @@ def build(avx512bf16: bool = True) -> CpuKernels | None:
         return None
 
 
-def _build() -> CpuKernels | None:
-    """The process's library: None when disabled (``BATCHGEN_CPU_KERNEL=0``) or impossible;
-    ``BATCHGEN_CPU_KERNEL_AVX512BF16=0`` selects the portable bf16 code."""
-    if os.environ.get("BATCHGEN_CPU_KERNEL", "1") == "0":
-        return None
-    return build(os.environ.get("BATCHGEN_CPU_KERNEL_AVX512BF16", "1") != "0")
+# the process's kernels, per variant (avx512bf16 or portable): built by the first caller, every
+# concurrent caller waits for them
+_KERNELS: dict[bool, Once[CpuKernels | None]] = {
+    variant: Once(lambda variant=variant: build(variant)) for variant in (True, False)
+}
 
 
-# the process's kernels: built by the first caller, every concurrent caller waits for them
-_KERNELS: Once[CpuKernels | None] = Once(_build)
+def load(avx512bf16: bool = True) -> CpuKernels | None:
+    """The compiled kernels, or None when they cannot be built here (logged once); with
+    ``avx512bf16=False`` the portable bf16 code. Built and loaded at the first call (callers
+    arriving meanwhile wait for it); later calls return the same object."""
+    return _KERNELS[avx512bf16].get()
 
 
-def load() -> CpuKernels | None:
-    """The compiled kernels, or None when disabled or when they cannot be built here (logged
-    once). Built and loaded at the first call (callers arriving meanwhile wait for it); later
-    calls return the same object."""
-    return _KERNELS.get()
-
-
-def for_dtype(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
+def for_dtype(
+    device: torch.device, dtype: torch.dtype, avx512bf16: bool = True
+) -> CpuKernels | None:
     """The kernels for tensors of this device and dtype: CPU fp32 and bf16 only, and only when
     they could be built; None means the caller's PyTorch path."""
     if device.type == "cpu" and dtype in _DTYPES:
-        return load()
+        return load(avx512bf16)
     return None

@@ -176,12 +176,13 @@ def load_model(
     dtype: torch.dtype,
     attention: AttentionBackend[Any],
     native: bool = True,
+    layers: LayerBackend | None = None,
 ) -> tuple[nn.Module, ModelInfo]:
     """Build the model on ``device`` in ``dtype`` with the checkpoint's weights (eval mode).
 
-    Each layer's implementation is chosen here, once (:class:`LayerBackend`): the C kernels and
-    packed GEMM weights (MKL on CPU fp32, oneDNN on CPU bf16) where available; ``native=False``:
-    PyTorch ops only.
+    ``attention`` and ``layers`` are the engine's choice (:class:`~batchgen.engine.backends.Backends`);
+    without ``layers`` the fastest available here (:meth:`LayerBackend.select`: the C kernels and
+    packed GEMM weights, MKL on CPU fp32, oneDNN on CPU bf16); ``native=False``: PyTorch ops only.
     """
     root = model_path(model_dir)
     cfg, eos = read_model_config(root)
@@ -192,7 +193,8 @@ def load_model(
 
     # Modules are built on the meta device (no memory, no random init); real tensors are
     # assigned below. The RoPE tables are built on the CPU explicitly and moved afterwards.
-    layers = LayerBackend.select(device, dtype, native)  # outside the meta device: it may compile
+    if layers is None:  # outside the meta device: it may compile
+        layers = LayerBackend.select(device, dtype, native)
     with torch.device("meta"):
         model = architecture(cfg.architecture).model(cfg, attention, layers)
     expected = {name: p.shape for name, p in model.named_parameters()}

@@ -10,8 +10,9 @@ bias`` rounded to bf16 once, from the fp32 accumulator). The layers using this a
 :class:`batchgen.model.layers.linear.OneDnnLinear`.
 
 Used only where torch has these ops, oneDNN supports bf16 on this CPU and a one-time check
-against ``F.linear`` passes; elsewhere, on GPUs, in other dtypes, or with
-``BATCHGEN_PACK_WEIGHTS=0``, :func:`for_dtype` returns None and layers keep ``F.linear``.
+against ``F.linear`` passes; elsewhere, on GPUs and in other dtypes :func:`for_dtype` returns
+None and layers keep ``F.linear`` (as with ``BATCHGEN_PACK_WEIGHTS=0``, which
+:mod:`batchgen.engine.backends` reads).
 
 Rounding: every output is rounded to bf16 once from an fp32 accumulator, like ``F.linear``; the
 order of the fp32 sums depends on the kernel oneDNN picks for the number of rows M, so one
@@ -32,7 +33,6 @@ about 100 distinct kernels per layer shape up to M = 8192.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -104,10 +104,8 @@ class OneDnn:
 
 
 def _find() -> OneDnn | None:
-    """torch's oneDNN linear ops, or None where they are missing, cannot run bf16 here, disagree
-    with ``F.linear``, or packing is switched off."""
-    if os.environ.get("BATCHGEN_PACK_WEIGHTS", "1") == "0":
-        return None
+    """torch's oneDNN linear ops, or None where they are missing, cannot run bf16 here, or
+    disagree with ``F.linear``."""
     ops = torch.ops.mkldnn
     try:
         if not (torch.backends.mkldnn.is_available() and ops._is_mkldnn_bf16_supported()):
@@ -149,8 +147,8 @@ _ONEDNN: Once[OneDnn | None] = Once(_find)
 
 
 def load() -> OneDnn | None:
-    """oneDNN's packed bf16 GEMM, or None where it is unavailable or packing is switched off
-    (looked up once; concurrent first callers wait for the lookup)."""
+    """oneDNN's packed bf16 GEMM, or None where it is unavailable (looked up once; concurrent
+    first callers wait for the lookup)."""
     return _ONEDNN.get()
 
 

@@ -10,8 +10,9 @@ rows (``beta = 1`` adds into the output: a fused residual add). The layers using
 
 MKL is the copy statically linked into ``libtorch_cpu`` (x86-64 builds of torch export its
 ``cblas_sgemm_pack*`` functions); it runs on torch's intra-op threads. Where those functions are
-missing (other platforms), on GPUs, in other dtypes, or with ``BATCHGEN_PACK_WEIGHTS=0``,
-:func:`for_dtype` returns None and layers keep ``F.linear``. Packing is checked once against
+missing (other platforms), on GPUs and in other dtypes :func:`for_dtype` returns None and layers
+keep ``F.linear`` (as with ``BATCHGEN_PACK_WEIGHTS=0``, which :mod:`batchgen.engine.backends`
+reads). Packing is checked once against
 ``F.linear`` before it is used; results differ from it only by float rounding.
 """
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,9 +56,7 @@ class Mkl:
 
 
 def _find() -> Mkl | None:
-    """The MKL inside torch, or None where it is missing or packing is switched off."""
-    if os.environ.get("BATCHGEN_PACK_WEIGHTS", "1") == "0":
-        return None
+    """The MKL inside torch, or None where it is missing."""
     libs = sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
     try:
         mkl = Mkl(ctypes.CDLL(str(libs[0])))
@@ -84,8 +82,8 @@ _MKL: Once[Mkl | None] = Once(_find)
 
 
 def load() -> Mkl | None:
-    """MKL's packed GEMM, or None where it is missing or packing is switched off (looked up
-    once; concurrent first callers wait for the lookup)."""
+    """MKL's packed GEMM, or None where it is missing (looked up once; concurrent first callers
+    wait for the lookup)."""
     return _MKL.get()
 
 

@@ -105,16 +105,18 @@ class TorchAttention:
     every cascade prefix runs in the C kernels of :mod:`batchgen.model.cpu_kernels` (they read
     the paged cache in place, int8 dequantized in registers) when they can be built,
     but for long fresh prefills on a bf16 cache (PyTorch SDPA groups, see ``torch_plan``);
-    ``native=False`` keeps everything in PyTorch (gathers and SDPA). ``prepare`` builds the
+    ``native=False`` keeps everything in PyTorch (gathers and SDPA); ``avx512bf16=False`` uses
+    the C kernels' portable variant. ``prepare`` builds the
     step's ``TorchAttentionPlan``; ``forward`` runs it for one layer. Holds grow-only gather
     buffers reused by every layer and step (a fresh allocation of tens of MB per gather costs more
     in page faults than the copy itself), so one instance must not run two forward passes
     concurrently.
     """
 
-    def __init__(self, native: bool = True) -> None:
+    def __init__(self, native: bool = True, avx512bf16: bool = True) -> None:
         self._workspace: dict[str, Tensor] = {}
         self._use_native = native
+        self._avx512bf16 = avx512bf16  # the C kernels' variant (False: the portable one)
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         numel = math.prod(shape)
@@ -153,7 +155,11 @@ class TorchAttention:
         bf16 cache when they can be built here (and ``native``), and for a quantized cache when
         they also support it (``supports_kv_dtype``), else PyTorch groups."""
         dtype = kv_cache.dtype if dtype is None else dtype
-        kernels = cpu_kernels.for_dtype(kv_cache.device, dtype) if self._use_native else None
+        kernels = (
+            cpu_kernels.for_dtype(kv_cache.device, dtype, self._avx512bf16)
+            if self._use_native
+            else None
+        )
         if kernels is not None and kv_cache.dtype != dtype:
             supports = getattr(kernels, "supports_kv_dtype", None)
             if supports is None or not supports(kv_cache.dtype, dtype):

@@ -33,13 +33,24 @@ class LayerBackend:
     gemm: Mkl | OneDnn | None = None
 
     @classmethod
-    def select(cls, device: torch.device, dtype: torch.dtype, native: bool = True) -> LayerBackend:
-        """The fastest implementations available here; ``native=False``: PyTorch ops only."""
+    def select(
+        cls,
+        device: torch.device,
+        dtype: torch.dtype,
+        native: bool = True,
+        *,
+        pack: bool = True,
+        avx512bf16: bool = True,
+    ) -> LayerBackend:
+        """The fastest implementations available here; ``native=False``: PyTorch ops only;
+        ``pack=False``: no packed GEMM; ``avx512bf16=False``: the C kernels' portable variant.
+        (An engine's choice is :func:`batchgen.engine.backends.choose_backends`'.)"""
         if not native:
             return cls(device, dtype)
+        gemm = packed_linear.for_dtype(device, dtype) or onednn_linear.for_dtype(device, dtype)
         return cls(
             device,
             dtype,
-            cpu=cpu_kernels.for_dtype(device, dtype),
-            gemm=packed_linear.for_dtype(device, dtype) or onednn_linear.for_dtype(device, dtype),
+            cpu=cpu_kernels.for_dtype(device, dtype, avx512bf16),
+            gemm=gemm if pack else None,
         )
