@@ -458,7 +458,9 @@ def paged_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if sinks is not None:
         if sinks.shape != (num_heads,) or sinks.dtype != torch.float32:
-            raise ValueError(f"sinks must be [{num_heads}] fp32, got {tuple(sinks.shape)} {sinks.dtype}")
+            raise ValueError(
+                f"sinks must be [{num_heads}] fp32, got {tuple(sinks.shape)} {sinks.dtype}"
+            )
         check_same_device(q, sinks)
         num_splits = 1
     extra = (window or 0, softcap, sinks)

@@ -69,7 +69,9 @@ def test_paged_logits_match_transformers(native: bool, phi3_dir: Path) -> None:
         assert_close_logits(o, r)
 
 
-def hf_greedy_incremental(model_dir: Path, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
+def hf_greedy_incremental(
+    model_dir: Path, prompt_ids: list[list[int]], max_new: int
+) -> list[list[int]]:
     """Greedy continuations by transformers' forward passes through its cache, one token per
     pass: LongRoPE's long factors for the tokens from position 32 on, the cached keys before
     kept (``generate`` instead recomputes the whole sequence with the long factors once it
@@ -101,7 +103,6 @@ def test_greedy_job_matches_transformers(
     window and past position 32, against transformers' forward passes one token at a time."""
     from transformers import AutoTokenizer
 
-        
     if native:
         require("cpu_kernels")
     else:

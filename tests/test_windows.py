@@ -25,7 +25,7 @@ from batchgen.model.attention import AttentionMetadata, TorchAttention
 from batchgen.model.registry import parse_config, read_model_config
 from batchgen.tiny_model import make_prompts
 from tests.hf_reference import WINDOW_ARCHS, hf_greedy, hf_logits
-from tests.jobkit import run_job, write_job
+from tests.jobkit import run_job, samples_with_and_without_prefix_cache, write_job
 from tests.optional import require
 from tests.test_model import assert_close_logits, load, run_paged
 from tests.ties import compare_samples
@@ -250,24 +250,7 @@ def test_prefix_cache_and_forks_across_the_window(window_dirs, tmp_path: Path) -
     prefix = " ".join(make_prompts(1, seed=22, min_words=20, max_words=20))
     prompts = make_prompts(3, seed=23, min_words=2, max_words=8, prefix=prefix)
     sampling = {"temperature": 0.9, "max_tokens": 24, "n": 3, "seed": 5, "ignore_eos": True}
-    a = run_job(
-        write_job(tmp_path / "a", model, prompts, sampling=sampling, engine={"block_size": 4})
-    )
-    b = run_job(
-        write_job(
-            tmp_path / "b",
-            model,
-            prompts,
-            sampling=sampling,
-            engine={
-                "block_size": 4,
-                "max_num_seqs": 1,
-                "max_num_batched_tokens": 5,
-                "prefix_caching": False,
-            },
-        )
-    )
-    compare_samples(b, a, model=model, prompts=dict(enumerate(prompts)), sampling=sampling)
+    a = samples_with_and_without_prefix_cache(tmp_path, model, prompts, sampling)
     assert len({tuple(r["token_ids"]) for r in a if r["id"] == 0}) > 1  # samples differ
     assert sum(r["num_cached_tokens"] for r in a if r["sample_index"] == 0) > WINDOW
 

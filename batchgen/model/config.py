@@ -224,8 +224,12 @@ def parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: flo
     try:
         if rope_type in ("yarn", "longrope") and factor is None:
             factor = max_pos / (original or max_pos)
-        if rope_type == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
-            raise ModelError(f"invalid config.json {path}: longrope needs short_factor and long_factor")
+        if rope_type == "longrope" and not (
+            params.get("short_factor") and params.get("long_factor")
+        ):
+            raise ModelError(
+                f"invalid config.json {path}: longrope needs short_factor and long_factor"
+            )
         if rope_type in ("linear", "dynamic", "llama3", "yarn") and factor is None:
             raise ModelError(f"invalid config.json {path}: rope type {rope_type!r} needs 'factor'")
         return RopeConfig(
@@ -278,7 +282,9 @@ def qwen_windows(raw: dict[str, Any]) -> tuple[int, ...]:
     if layer_types is None:
         first = raw.get("max_window_layers", 28)
         count = raw.get("num_hidden_layers", 0)
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(count)]
+        layer_types = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(count)
+        ]
     return layer_windows(layer_types, window)
 
 

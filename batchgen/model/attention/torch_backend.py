@@ -88,7 +88,13 @@ def _attend(
     if softcap is not None:
         return _attend_lse(q, k, v, mask, scale, softcap, is_causal)[0]
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
     )
 
 
@@ -302,7 +308,6 @@ class TorchAttention:
         members (or ``need_lse``), the log-sum-exp ``[n*max_q, Hq]``."""
         _, hq, d = q.shape
         hkv = k.shape[1]
-        grp = hq // hkv
         n, max_q, max_k = g.n, g.max_q, g.max_k
         qg = q if g.q_index is None else q.index_select(0, g.q_index)
         qg = qg.view(n, max_q, hq, d)

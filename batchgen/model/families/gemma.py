@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from batchgen.errors import ModelError
 from batchgen.model.architecture import Architecture, WeightPlan
-from batchgen.model.attention import AttentionBackend, AttentionMetadata
+from batchgen.model.attention import AttentionBackend
 from batchgen.model.config import (
     ModelConfig,
     RopeConfig,
@@ -42,7 +42,6 @@ from batchgen.model.families.llama import (
     LlamaMLP,
     attention_weights,
     dense_mlp_weights,
-    layer_plans,
     model_weights,
 )
 from batchgen.model.layers.activation import gelu_tanh_mul_
@@ -73,7 +72,7 @@ class GemmaAttention(LlamaAttention):
 
     def __init__(self, cfg: ModelConfig, attention: AttentionBackend[Any], layers: LayerBackend):
         super().__init__(cfg, attention, layers)
-        self.scale = _gemma_cfg(cfg).query_pre_attn_scalar**-0.5
+        self.scale = _gemma_cfg(cfg).query_pre_attn_scalar ** -0.5
         if cfg.qk_norm:
             self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -132,6 +131,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     ) -> None:
         super().__init__(cfg, attention, layers)
         gcfg = _gemma_cfg(cfg)
+        self.attn_softcap = gcfg.attn_softcap
         self.rotary_local = (
             None
             if gcfg.local_rope is None
@@ -147,26 +147,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def make_norm(cfg: ModelConfig, layers: LayerBackend) -> nn.Module:
         return OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        kv_cache: Tensor,
-        meta: AttentionMetadata,
-        kv_scales: Tensor | None = None,
-    ) -> Tensor:
-        """See ``LlamaForCausalLM.forward``."""
-        cfg = _gemma_cfg(self.cfg)
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The embeddings times ``sqrt(hidden)``, that factor rounded to their dtype (as HF)."""
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)  # HF rounds the scale
-        plans = layer_plans(self.attention, cfg, meta, kv_cache, x.dtype, cfg.attn_softcap)
-        rope = self.rotary(positions, x.dtype)  # [T, D/2] each
-        local = rope if self.rotary_local is None else self.rotary_local(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            scales = () if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
-            cos, sin = local if cfg.window(i) else rope
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], plans[i], *scales)
-        return self.norm(x)
+        return x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
+
+    def layer_ropes(self, positions: Tensor, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        """Windowed (local) layers take the local table, if the config has one."""
+        rope = self.rotary(positions, dtype)
+        local = rope if self.rotary_local is None else self.rotary_local(positions, dtype)
+        return [local if self.cfg.window(i) else rope for i in range(self.cfg.num_layers)]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden ``[S, hidden]`` -> logits ``[S, vocab]`` float32, capped when the config
@@ -184,7 +174,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
 def _parse(raw: dict[str, Any], path: Path, *, gemma3: bool) -> GemmaConfig:
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise ModelError(f"unsupported hidden_activation {act!r} in {path}; supported: gelu_pytorch_tanh")
+        raise ModelError(
+            f"unsupported hidden_activation {act!r} in {path}; supported: gelu_pytorch_tanh"
+        )
     if raw.get("use_bidirectional_attention"):
         raise ModelError(f"unsupported config.json {path}: use_bidirectional_attention")
     num_layers = req_int(raw, "num_hidden_layers", path)

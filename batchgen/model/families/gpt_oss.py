@@ -62,9 +62,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         super().__init__(cfg, layers)
         assert isinstance(cfg, GptOssConfig) and cfg.moe is not None
         self.gate = Linear(cfg.hidden_size, cfg.moe.num_experts, bias=True)
-        act = functools.partial(
-            clamped_swiglu_, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit
-        )
+        act = functools.partial(clamped_swiglu_, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
         self.experts = FusedExperts(
             cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size, layers, True, act
         )
@@ -164,7 +162,12 @@ def _deinterleave(t: Tensor, dim: int) -> Tensor:
 
 def _weights(cfg: ModelConfig, has: Callable[[str], bool]) -> WeightPlan:
     assert cfg.moe is not None
-    h, inter, e_count, hq = cfg.hidden_size, cfg.moe.intermediate_size, cfg.moe.num_experts, cfg.num_heads
+    h, inter, e_count, hq = (
+        cfg.hidden_size,
+        cfg.moe.intermediate_size,
+        cfg.moe.num_experts,
+        cfg.num_heads,
+    )
 
     def layer(i: int, plan: WeightPlan) -> None:
         attention_weights(cfg, i, plan)

@@ -274,13 +274,26 @@ class LlamaForCausalLM(nn.Module):
         scales ``kv_scales [L, 2, num_blocks, block_size, Hkv]`` fp32 -> hidden ``[T, hidden]``
         after the final norm.
         """
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        plans = layer_plans(self.attention, self.cfg, meta, kv_cache, x.dtype)
-        cos, sin = self.rotary(positions, x.dtype)  # [T, D/2]
+        x = self.embed(input_ids)  # [T, hidden]
+        plans = layer_plans(self.attention, self.cfg, meta, kv_cache, x.dtype, self.attn_softcap)
+        ropes = self.layer_ropes(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             scales = () if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
+            cos, sin = ropes[i]
             x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], plans[i], *scales)
         return self.norm(x)
+
+    # the attention logit cap of every layer (Gemma 2 sets one)
+    attn_softcap: float | None = None
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """input_ids ``[T]`` -> the input embeddings ``[T, hidden]``."""
+        return self.embed_tokens(input_ids)
+
+    def layer_ropes(self, positions: Tensor, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's RoPE cos/sin ``[T, D/2]`` of the step (one table for all here)."""
+        rope = self.rotary(positions, dtype)
+        return [rope] * self.cfg.num_layers
 
     def pack_weights(self) -> int:
         """Pre-pack the linear weights for the layer backend's GEMM (MKL or oneDNN), if it has

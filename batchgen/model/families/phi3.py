@@ -26,7 +26,10 @@ __all__ = ["ARCHITECTURE"]
 
 def _parse(raw: dict[str, Any], path: Path) -> ModelConfig:
     params = raw.get("rope_parameters") or raw.get("rope_scaling")
-    if isinstance(params, dict) and (params.get("rope_type") or params.get("type")) in ("su", "yarn"):
+    if isinstance(params, dict) and (params.get("rope_type") or params.get("type")) in (
+        "su",
+        "yarn",
+    ):
         # transformers reads Phi-3's older names for LongRoPE so
         params = {k: v for k, v in params.items() if k != "type"} | {"rope_type": "longrope"}
         raw = {k: v for k, v in raw.items() if k != "rope_scaling"} | {"rope_parameters": params}

@@ -116,7 +116,9 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         # gpt-oss: biases [E, 2I] and [E, H], and its clamped SwiGLU (``activation``, in place
         # on [n, 2I] -> [n, I] like silu_mul_)
-        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        self.gate_up_bias = (
+            nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        )
         self.down_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
         self.silu_mul_: SiluMul = silu_mul(layers) if activation is None else activation
         # CUDA: the Triton kernel (the parameters stay stacked; nothing is packed there), which

@@ -52,14 +52,9 @@ class CpuRMSNorm(RMSNorm):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is stored as an offset from 1, and the product with
     ``1 + weight`` is taken in fp32 before rounding to the input dtype (the HF formula)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
         """x ``[..., dim]`` -> ``[..., dim]``."""

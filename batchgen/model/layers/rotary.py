@@ -93,9 +93,7 @@ def longrope_inv_freq(
     attention_factor = rope.attention_factor
     if attention_factor is None:
         attention_factor = (
-            1.0
-            if rope.factor <= 1.0
-            else math.sqrt(1 + math.log(rope.factor) / math.log(original))
+            1.0 if rope.factor <= 1.0 else math.sqrt(1 + math.log(rope.factor) / math.log(original))
         )
     factors = rope.long_factor if long else rope.short_factor
     assert factors is not None
