@@ -62,6 +62,17 @@ def test_config_windows_per_layer(window_dirs: dict[str, Path]) -> None:
     }
     cfg = parse_config(raw, Path("config.json"))
     assert cfg.windows == (WINDOW,) * 5 + (0, WINDOW)
+    # the MoE Qwens' rules without layer_types (transformers' config classes): Qwen2-MoE the
+    # even layers below max_window_layers, Qwen3-MoE every layer
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 6, "vocab_size": 512,
+            "intermediate_size": 64, "use_sliding_window": True, "sliding_window": WINDOW,
+            "max_window_layers": 3}  # fmt: skip
+    q2 = parse_config(base | {"architectures": ["Qwen2MoeForCausalLM"]}, Path("config.json"))
+    assert q2.windows == (WINDOW, 0, WINDOW, 0, 0, 0)
+    q3 = parse_config(base | {"architectures": ["Qwen3MoeForCausalLM"]}, Path("config.json"))
+    assert q3.windows == (WINDOW,) * 6
+    qwen2 = parse_config(base | {"architectures": ["Qwen2ForCausalLM"]}, Path("config.json"))
+    assert qwen2.windows == (0, 0, 0, WINDOW, WINDOW, WINDOW)
     assert (cfg.rope.rope_type, cfg.rope.factor, cfg.rope.theta) == ("linear", 8.0, 1e6)
     assert (cfg.local_rope.rope_type, cfg.local_rope.theta) == ("default", 1e4)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -269,10 +270,13 @@ def layer_windows(layer_types: list[str], window: int | None) -> tuple[int, ...]
     return windows if any(windows) else ()
 
 
-def qwen_windows(raw: dict[str, Any]) -> tuple[int, ...]:
+def qwen_windows(
+    raw: dict[str, Any], sliding: Callable[[int], bool] | None = None
+) -> tuple[int, ...]:
     """The per-layer windows of a Qwen-style config: with ``use_sliding_window`` (or any
     ``sliding_attention`` layer type) and ``sliding_window``, the layers ``layer_types`` calls
-    sliding, or, without layer types, those from ``max_window_layers`` on (HF's rule)."""
+    sliding, or, without layer types, those ``sliding(i)`` picks (default: from
+    ``max_window_layers`` on, Qwen2's and Qwen3's rule)."""
     window = raw.get("sliding_window")
     layer_types = raw.get("layer_types")
     if not window or not (
@@ -281,10 +285,9 @@ def qwen_windows(raw: dict[str, Any]) -> tuple[int, ...]:
         return ()
     if layer_types is None:
         first = raw.get("max_window_layers", 28)
+        rule = sliding or (lambda i: i >= first)
         count = raw.get("num_hidden_layers", 0)
-        layer_types = [
-            "sliding_attention" if i >= first else "full_attention" for i in range(count)
-        ]
+        layer_types = ["sliding_attention" if rule(i) else "full_attention" for i in range(count)]
     return layer_windows(layer_types, window)
 
 
