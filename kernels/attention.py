@@ -199,9 +199,10 @@ def _paged_attention_kernel(
         k = k.to(DOT_DTYPE)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] fp32
-        if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (e^(2x) + 1), saturating to +-1
-            # (2 x log2(e): exp2 of it is e^(2x))
-            s = softcap2 * (1.0 - 2.0 / (tl.exp2(2.8853900817779268 * (s / softcap2)) + 1.0))
+        if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (e^(2x) + 1); |x| <= 15 (tanh is +-1 in fp32 there)
+            # keeps e^(2x) finite; 2 x log2(e): exp2 of it is e^(2x)
+            x = tl.minimum(tl.maximum(s / softcap2, -15.0), 15.0)
+            s = softcap2 * (1.0 - 2.0 / (tl.exp2(2.8853900817779268 * x) + 1.0))
         causal = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
         causal = causal & ((key_pos[None, :] > q_pos[:, None] - window) | (window == 0))
         s = tl.where(causal, s, float("-inf"))
