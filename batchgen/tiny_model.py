@@ -1,7 +1,7 @@
 """Tiny random models, tokenizers and prompts for tests, demos and benchmarks (fully offline).
 
-``make_tiny_model`` writes a Hugging Face model folder: a random Llama / Mistral / Qwen2 / Qwen3,
-or mixture-of-experts Qwen3-MoE / Qwen2-MoE / Mixtral, made with transformers' own config and
+``make_tiny_model`` writes a Hugging Face model folder: a random Llama / Mistral / Qwen2 / Qwen3 /
+Gemma 2 / Gemma 3 / Phi-3, or mixture-of-experts Qwen3-MoE / Qwen2-MoE / Mixtral / gpt-oss, made with transformers' own config and
 model classes (safetensors, sharded on request), and a
 byte-level BPE tokenizer trained on a synthetic corpus of pseudo-words, with BOS/EOS and a small
 chat template. Everything is deterministic given the seed.
@@ -37,6 +37,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 # Special tokens take the first ids, in this order.

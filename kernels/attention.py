@@ -115,6 +115,11 @@ def _paged_attention_kernel(
     stride_vss,
     stride_vsh,
     KV_QUANT: tl.constexpr,
+    window,  # sliding window W: a query at position p sees keys p-W+1 .. p; 0: no window
+    softcap2,  # scores s (base 2) -> softcap2 * tanh(s / softcap2) (HAS_SOFTCAP)
+    sinks_ptr,  # [Hq] fp32 sink logits (HAS_SINKS): one more softmax term per head, no value
+    HAS_SOFTCAP: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
     ONE_QUERY_PER_SEQ: tl.constexpr = False,  # every sequence has one query token; BLOCK_Q == 1
 ):
     tl.static_assert(BLOCK_M >= 16)
@@ -155,12 +160,15 @@ def _paged_attention_kernel(
     q_mask = row_valid[:, None] & dim_valid[None, :]
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
 
-    # Keys this program needs: [0, kv_end), the furthest query position of the block plus one.
+    # Keys this program needs: [kv_lo, kv_end), from the first query's window (0 without one)
+    # to the furthest query position of the block plus one; tiles before kv_lo are not read.
     last_tok = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = context_len + last_tok + 1  # <= seq_len
+    kv_lo = tl.where(window > 0, tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0), 0)
+    tile_first = kv_lo // TILE_N
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - tile_first, NUM_SPLITS)
+    tile_lo = tile_first + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)  # may be <= tile_lo: empty split
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (base-2 logits)
@@ -191,7 +199,12 @@ def _paged_attention_kernel(
         k = k.to(DOT_DTYPE)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] fp32
+        if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (e^(2x) + 1); |x| <= 15 (tanh is +-1 in fp32 there)
+            # keeps e^(2x) finite; 2 x log2(e): exp2 of it is e^(2x)
+            x = tl.minimum(tl.maximum(s / softcap2, -15.0), 15.0)
+            s = softcap2 * (1.0 - 2.0 / (tl.exp2(2.8853900817779268 * x) + 1.0))
         causal = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+        causal = causal & ((key_pos[None, :] > q_pos[:, None] - window) | (window == 0))
         s = tl.where(causal, s, float("-inf"))
 
         # Online softmax. A row can be fully masked in a tile (and, with split-K, in a whole
@@ -219,7 +232,10 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        # Every valid row saw key 0 (q_pos >= 0), so l_i > 0 there.
+        # Every valid row saw its own key, so l_i > 0 there.
+        if HAS_SINKS:  # the sink's term exp(sink) joins the denominator only
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
+            l_i = l_i + tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
         o_off = (
@@ -346,6 +362,9 @@ def paged_attention(
     num_decode_seqs: int = 0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over the paged cache; returns ``out [T, Hq, D]`` in q's dtype.
 
@@ -368,6 +387,12 @@ def paged_attention(
             configuration (0: one launch for the whole step).
         k_scale, v_scale: a quantized cache's fp32 scales ``[num_blocks, block_size, Hkv]``,
             any strides; keys and values are read as ``cache * scale``. None for a float cache.
+        window: a sliding window W: the query at position p sees keys ``p-W+1 .. p`` only (the
+            tiles before its block's first window are not read); None: every key up to p.
+        softcap: scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before the
+            softmax; None: as they are.
+        sinks: ``[Hq]`` fp32 learned sink logits: each head's softmax has one more term
+            ``exp(sink)`` with no value (gpt-oss); forces one pass (no split-K).
 
     Query token i of sequence b sits at position ``seq_lens[b] - q_len_b + i`` and attends to
     keys at positions ``<=`` that. Softmax and accumulation are in fp32.
@@ -432,18 +457,27 @@ def paged_attention(
         raise ValueError(f"num_decode_seqs must be in [0, {num_seqs}], got {num_decode_seqs}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if sinks is not None:
+        if sinks.shape != (num_heads,) or sinks.dtype != torch.float32:
+            raise ValueError(
+                f"sinks must be [{num_heads}] fp32, got {tuple(sinks.shape)} {sinks.dtype}"
+            )
+        check_same_device(q, sinks)
+        num_splits = 1
+    extra = (window or 0, softcap, sinks)
     nd = num_decode_seqs
     if 0 < nd < num_seqs and max_seqlen_q > 1:
         # A mixed step: the leading decodes get the decode configuration (small M, split-K),
         # the rest the prefill one. Views only, plus one tiny shift of cu_seqlens_q; no sync.
-        common = (k_cache, v_cache, scale, max_seqlen_k, num_splits, k_scale, v_scale)
+        common = (k_cache, v_cache, scale, max_seqlen_k, num_splits, k_scale, v_scale, *extra)
         _launch(q[:nd], block_tables[:nd], cu_seqlens_q[: nd + 1], seq_lens[:nd], 1, out[:nd],
                 *common)  # fmt: skip
         _launch(q[nd:], block_tables[nd:], cu_seqlens_q[nd:] - nd, seq_lens[nd:], max_seqlen_q,
                 out[nd:], *common)  # fmt: skip
         return out
     _launch(q, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, out,
-            k_cache, v_cache, scale, max_seqlen_k, num_splits, k_scale, v_scale)  # fmt: skip
+            k_cache, v_cache, scale, max_seqlen_k, num_splits, k_scale, v_scale,
+            *extra)  # fmt: skip
     return out
 
 
@@ -461,10 +495,13 @@ def _launch(
     num_splits: int | None,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    window: int = 0,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Launch the attention kernel (and the merge) with one configuration for all of q's
     sequences (checked arguments; ``cu_seqlens_q[0] == 0``; for a float cache the scales are
-    placeholders)."""
+    placeholders; ``window`` 0: none)."""
     num_tokens, num_heads, head_dim = q.shape
     kv_quant = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -538,6 +575,11 @@ def _launch(
         **dict(zip(("stride_ksb", "stride_kss", "stride_ksh"), k_scale.stride()[:3], strict=True)),
         **dict(zip(("stride_vsb", "stride_vss", "stride_vsh"), v_scale.stride()[:3], strict=True)),
         KV_QUANT=kv_quant,
+        window=window,
+        softcap2=(softcap or 1.0) * _LOG2E,
+        sinks_ptr=out if sinks is None else sinks,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         ONE_QUERY_PER_SEQ=decode,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -42,8 +42,13 @@ def paged_attention_ref(
     max_seqlen_k: int,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference ``paged_attention``: per sequence, gather its keys and run masked softmax in fp32.
+    """Reference ``paged_attention``: per sequence, gather its keys and run masked softmax in fp32
+    (``window``: keys ``p-W+1 .. p``; ``softcap``: scores capped by ``c * tanh(s / c)``;
+    ``sinks [Hq]``: one more softmax term per head, without a value).
 
     ``max_seqlen_q``, ``max_seqlen_k`` and ``num_splits`` only steer the kernel's launch and are
     ignored here.
@@ -71,8 +76,17 @@ def paged_attention_ref(
         scores = queries @ keys.transpose(1, 2) * scale  # [Hq, q_len, seq_len]
         q_pos = torch.arange(q_len, device=q.device)[:, None] + context_len
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        hidden = k_pos > q_pos
+        if window:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:  # a column of sink logits, dropped after the softmax
+            sink = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = (probs @ values).transpose(0, 1).to(out.dtype)  # [q_len, Hq, D]
     return out
 

@@ -584,6 +584,7 @@ def compile_only() -> int:
             out_ptr=ptr,
             part_out_ptr="*fp32",
             part_lse_ptr="*fp32",
+            sinks_ptr="*fp32",
         )
         hkv, block_d = 8, triton.next_power_of_2(head_dim)
         hq = hkv * group
@@ -612,7 +613,10 @@ def compile_only() -> int:
             stride_vsb=BLOCK_SIZE * hkv,
             stride_vss=hkv,
             stride_vsh=1,
+            window=128 if variant % 2 else 0,  # a sliding window (0: none), a run-time value
         )
+        # every third variant caps its scores (Gemma 2), the next has sinks (gpt-oss: one pass)
+        softcap, sinks = variant % 3 == 1, variant % 3 == 2 and splits == 1
         constexprs = dict(
             NUM_QUERIES_PER_KV=group,
             BLOCK_SIZE=BLOCK_SIZE,
@@ -625,15 +629,22 @@ def compile_only() -> int:
             DOT_PRECISION="ieee" if dtype == "fp32" else None,
             ONE_QUERY_PER_SEQ=max_q == 1,
             KV_QUANT=bool(kv),
+            HAS_SOFTCAP=softcap,
+            HAS_SINKS=sinks,
         )
+        extras = "".join(
+            f" {label}" for label, on in (("window", ints["window"]), ("softcap", softcap),
+                                          ("sinks", sinks)) if on
+        )  # fmt: skip
         name = (
-            f"paged_attention {dtype}{' over ' + kv[0] if kv else ''} G={group} D={head_dim} max_q={max_q} splits={splits} "
+            f"paged_attention {dtype}{' over ' + kv[0] if kv else ''} G={group} D={head_dim} max_q={max_q} splits={splits}{extras} "
             f"(M={block_m} N={tile_n} warps={num_warps} stages={num_stages})"
         )
         report(
             name,
             lambda p=pointers, i=ints, c=constexprs, w=num_warps, s=num_stages: compile_like_jit(
-                pa._paged_attention_kernel, p, i, c, floats=("qk_scale",), num_warps=w, num_stages=s
+                pa._paged_attention_kernel, p, i, c, floats=("qk_scale", "softcap2"), num_warps=w,
+                num_stages=s,
             ),
             known_spills=bool(kv) and dtype == "fp32",
         )

@@ -139,3 +139,22 @@ def fake_rows(row_id: int, n: int = 2) -> list[dict[str, Any]]:
         }
         for k in range(n)
     ]
+
+
+def samples_with_and_without_prefix_cache(
+    tmp: Path, model: Path, prompts: list[str], sampling: dict
+) -> list[dict]:
+    """Run ``prompts`` twice: with the prefix cache and batches of up to 16 sequences, and one
+    sequence per 5-token step without it (block size 4 both); assert the same samples (up to
+    near-ties, :func:`tests.ties.compare_samples`) and return the first run's rows."""
+    from tests.ties import compare_samples
+
+    a = run_job(write_job(tmp / "a", model, prompts, sampling=sampling, engine={"block_size": 4}))
+    lone = {"block_size": 4, "max_num_seqs": 1, "max_num_batched_tokens": 5}
+    b = run_job(
+        write_job(
+            tmp / "b", model, prompts, sampling=sampling, engine=lone | {"prefix_caching": False}
+        )
+    )
+    compare_samples(b, a, model=model, prompts=dict(enumerate(prompts)), sampling=sampling)
+    return a

@@ -319,6 +319,10 @@ def _(tmp: Path, model: Path) -> tuple[Path, list[str], list[str]]:
         "Qwen3MoeForCausalLM",
         "Qwen2MoeForCausalLM",
         "MixtralForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+        "GptOssForCausalLM",
     ]
     return with_job(tmp, m), [], needles
 

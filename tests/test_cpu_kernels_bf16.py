@@ -47,8 +47,8 @@ class RecordingAttention(TorchAttention):
         super().__init__(native)
         self.plans: list[TorchAttentionPlan] = []
 
-    def prepare(self, meta, kv_cache, num_heads, dtype=None):  # type: ignore[no-untyped-def]
-        plan = super().prepare(meta, kv_cache, num_heads, dtype)
+    def prepare(self, meta, kv_cache, num_heads, dtype=None, window=None):  # type: ignore[no-untyped-def]
+        plan = super().prepare(meta, kv_cache, num_heads, dtype, window)
         self.plans.append(plan)
         return plan
 

@@ -331,6 +331,40 @@ def test_paged_attention_longer_contexts(case: AttnCase) -> None:
     assert_attention_close(actual, expected)
 
 
+WINDOW_CASES = [
+    # decodes before, at and past the window, with split-K; fresh and cached prefills past it
+    (AttnCase(((1, 5), (1, 16), (1, 40), (1, 130)), 4, 2, 64, F32, num_splits=3), 16),
+    (AttnCase(MIXED, 6, 2, 64, F32, block_size=4, share=True), 16),
+    (AttnCase(MIXED, 4, 2, 64, BF16, num_splits=2), 24),
+    (AttnCase(((70, 130), (17, 17)), 4, 4, 64, F16), 32),
+]
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("case,window", WINDOW_CASES, ids=lambda x: str(x))
+def test_paged_attention_windows_and_softcap(case: AttnCase, window: int, softcap) -> None:
+    """Sliding windows (and Gemma 2's logit softcap) against the reference."""
+    inputs = build_inputs(case, seed=2)
+    extra = {"window": window, "softcap": softcap}
+    expected = paged_attention_ref(*inputs.args(), **extra)
+    actual = paged_attention(*inputs.args(), num_splits=case.num_splits, **extra)
+    assert_attention_close(actual, expected)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_paged_attention_sinks(window: int | None) -> None:
+    """gpt-oss's sink logits (one per query head), with and without a window; split-K is
+    turned off."""
+    case = AttnCase(MIXED, 8, 2, 64, F32, num_splits=None)
+    inputs = build_inputs(case, seed=3)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    extra = {"window": window, "sinks": sinks}
+    expected = paged_attention_ref(*inputs.args(), **extra)
+    actual = paged_attention(*inputs.args(), num_splits=None, **extra)
+    assert_attention_close(actual, expected)
+    assert not torch.allclose(expected, paged_attention_ref(*inputs.args(), window=window))
+
+
 def test_split_k_agrees_with_single_pass() -> None:
     """Split-K and the single pass differ only in summation order."""
     case = AttnCase(((1, 130), (1, 37), (1, 64)), 4, 2, 64, F32)

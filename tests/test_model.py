@@ -26,7 +26,7 @@ from batchgen.model.loader import (
     load_tokenizer,
     model_identity,
 )
-from batchgen.model.registry import read_model_info
+from batchgen.model.registry import read_model_config, read_model_info
 from batchgen.tiny_model import (
     END_OF_TURN_ID,
     EOS_ID,
@@ -472,7 +472,9 @@ def test_config_parsing(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     cfg = parse(rope_theta=500000.0, rope_scaling=llama31)
     assert cfg.rope.rope_type == "llama3" and cfg.rope.original_max_position_embeddings == 8192
     assert parse().rope.rope_type == "default"
-    with pytest.raises(ModelError, match="unsupported rope type 'longrope'"):
+    with pytest.raises(ModelError, match="unsupported rope type 'proportional'"):
+        parse(rope_scaling={"rope_type": "proportional", "factor": 2.0})
+    with pytest.raises(ModelError, match="longrope needs short_factor and long_factor"):
         parse(rope_scaling={"rope_type": "longrope", "factor": 2.0})
     with pytest.raises(ModelError, match="'hidden_size' must be a positive integer"):
         parse(hidden_size=None)
@@ -515,14 +517,15 @@ def test_model_info_and_identity(model_dirs: dict[str, Path], tmp_path: Path) ->
     assert info.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 24 * 4
     assert info.kv_bytes_per_token(torch.bfloat16) == 2 * 2 * 2 * 24 * 2
 
-    # a Mistral sliding window below max_position_embeddings caps the usable length
+    # a Mistral sliding window below max_position_embeddings no longer caps the usable length
     copy = shutil.copytree(model_dirs["mistral"], tmp_path / "mistral")
     cfg = json.loads((copy / "config.json").read_text())
     ident = model_identity(copy)
     assert ident == model_identity(model_dirs["mistral"])  # content, not path
     cfg["sliding_window"] = 128
     (copy / "config.json").write_text(json.dumps(cfg))
-    assert read_model_info(copy).max_model_len == 128
+    assert read_model_info(copy).max_model_len == 512
+    assert read_model_config(copy)[0].windows == (128, 128)
     assert model_identity(copy) != ident
 
 
@@ -577,7 +580,8 @@ def test_loader_errors(model_dirs: dict[str, Path], tmp_path: Path) -> None:
         read_model_info(gpt2)
     assert str(err.value).endswith(
         "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-        "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM"
+        "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM, Gemma2ForCausalLM, "
+        "Gemma3ForCausalLM, Phi3ForCausalLM, GptOssForCausalLM"
     )
 
     no_weights = copy_model(model_dirs["mistral"], tmp_path, "no_weights")

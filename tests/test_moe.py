@@ -30,7 +30,7 @@ from batchgen.model.packed_linear import Mkl
 from batchgen.model.registry import SUPPORTED_ARCHITECTURES, read_model_config
 from batchgen.tiny_model import make_prompts
 from tests.hf_reference import MOE_ARCHS, hf_greedy, hf_logits
-from tests.jobkit import run_job, write_job
+from tests.jobkit import run_job, samples_with_and_without_prefix_cache, write_job
 from tests.optional import require
 from tests.test_model import assert_close_logits, run_paged, schedules_for
 from tests.ties import compare_samples
@@ -294,24 +294,7 @@ def test_samples_are_the_same_with_any_batch_limits_and_the_prefix_cache(
     prefix = " ".join(make_prompts(1, seed=12, min_words=12, max_words=12))
     prompts = make_prompts(4, seed=13, min_words=2, max_words=8, prefix=prefix)
     sampling = {"temperature": 0.9, "max_tokens": 8, "n": 3, "seed": 5, "ignore_eos": True}
-    a = run_job(
-        write_job(tmp_path / "a", model, prompts, sampling=sampling, engine={"block_size": 4})
-    )
-    b = run_job(
-        write_job(
-            tmp_path / "b",
-            model,
-            prompts,
-            sampling=sampling,
-            engine={
-                "block_size": 4,
-                "max_num_seqs": 1,
-                "max_num_batched_tokens": 5,
-                "prefix_caching": False,
-            },
-        )
-    )
-    compare_samples(b, a, model=model, prompts=dict(enumerate(prompts)), sampling=sampling)
+    a = samples_with_and_without_prefix_cache(tmp_path, model, prompts, sampling)
     assert len({tuple(r["token_ids"]) for r in a if r["id"] == 0}) > 1  # samples differ
     # forks: each prompt's samples computed its prompt once; the prefix cache served the
     # shared prefix to every prompt after the first

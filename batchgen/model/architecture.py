@@ -9,7 +9,7 @@ Adding an architecture is one module under ``batchgen/model/families/`` defining
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,10 +56,14 @@ class WeightPlan:
     this order and then viewed as the parameter's shape (so per-expert ``[I, H]`` tensors of a
     checkpoint fill a stacked ``[E, 2I, H]`` parameter). ``shapes``: each of those HF tensors ->
     the shape its config implies (checked from the file headers before anything is read).
+    ``transforms``: our parameter name -> a function of its HF tensors (in ``sources`` order, as
+    loaded) returning the parameter, for checkpoints whose layout differs from ours beyond
+    concatenation (gpt-oss's transposed, interleaved experts); the others are concatenated.
     """
 
     sources: dict[str, list[str]]
     shapes: dict[str, tuple[int, ...]]
+    transforms: dict[str, Callable[[list[Tensor]], Tensor]] = field(default_factory=dict)
 
     def needed(self) -> list[str]:
         """Every HF tensor the plan reads, sorted."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,13 @@ __all__ = [
     "is_gguf",
     "model_info",
     "parse_base",
-    "qwen_sliding_window",
+    "parse_rope",
+    "layer_windows",
+    "qwen_windows",
     "raw_config",
 ]
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,12 @@ class RopeConfig:
     # per-pair divisors of the inverse frequencies [head_dim/2], applied before the scaling type
     # (a GGUF file's rope_freqs.weight: how llama.cpp stores Llama 3.1-style scaling)
     freq_factors: tuple[float, ...] | None = None
+    # the fraction of each head's dimensions that is rotated (the first ones)
+    partial_rotary_factor: float = 1.0
+    # longrope: per-pair divisors for positions below original_max_position_embeddings (short)
+    # and from there on (long)
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,18 @@ class ModelConfig:
     qk_norm: bool
     rope: RopeConfig
     moe: MoeConfig | None = None  # None: a dense model
+    # per layer: the attention window W (the layer's query at position p sees keys p-W+1..p),
+    # 0 for full causal attention; empty: every layer full
+    windows: tuple[int, ...] = ()
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window, None for full causal attention."""
+        return (self.windows[layer] or None) if self.windows else None
 
 
 @dataclass(frozen=True)
@@ -115,7 +136,7 @@ class ModelInfo:
     head_dim: int
     hidden_size: int
     vocab_size: int
-    max_model_len: int  # max_position_embeddings, capped by a sliding window
+    max_model_len: int  # max_position_embeddings
     eos_token_ids: tuple[int, ...]
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -175,7 +196,7 @@ def _eos_ids(value: Any) -> list[int]:
     return []
 
 
-def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: float) -> RopeConfig:
+def parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: float) -> RopeConfig:
     """RoPE settings from transformers-5 ``rope_parameters`` or legacy ``rope_theta``/``rope_scaling``."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
@@ -192,9 +213,7 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: fl
         raise ModelError(
             f"unsupported rope type {rope_type!r} in {path}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ModelError(f"unsupported partial_rotary_factor {partial} in {path}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0
     theta = params.get("rope_theta", raw.get("rope_theta")) or default_theta
     # the pre-training length that llama3/yarn scale from (HF's default: max_position_embeddings)
     original = (
@@ -204,8 +223,14 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: fl
     )
     factor = params.get("factor")
     try:
-        if rope_type == "yarn" and factor is None:
+        if rope_type in ("yarn", "longrope") and factor is None:
             factor = max_pos / (original or max_pos)
+        if rope_type == "longrope" and not (
+            params.get("short_factor") and params.get("long_factor")
+        ):
+            raise ModelError(
+                f"invalid config.json {path}: longrope needs short_factor and long_factor"
+            )
         if rope_type in ("linear", "dynamic", "llama3", "yarn") and factor is None:
             raise ModelError(f"invalid config.json {path}: rope type {rope_type!r} needs 'factor'")
         return RopeConfig(
@@ -222,6 +247,9 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_pos: int, default_theta: fl
             mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
             truncate=bool(params.get("truncate", True)),
             freq_factors=_opt_floats(params.get("freq_factors")),
+            partial_rotary_factor=float(partial),
+            short_factor=_opt_floats(params.get("short_factor")),
+            long_factor=_opt_floats(params.get("long_factor")),
         )
     except (TypeError, ValueError) as err:
         raise ModelError(f"invalid rope parameters in {path}: {one_line(err)}") from None
@@ -235,13 +263,32 @@ def _opt_floats(value: Any) -> tuple[float, ...] | None:
     return None if value is None else tuple(float(v) for v in value)
 
 
-def qwen_sliding_window(raw: dict[str, Any]) -> int | None:
-    """The attention window of a Qwen-style config (``use_sliding_window`` or any
-    ``sliding_attention`` layer type, with ``sliding_window``), else None."""
+def layer_windows(layer_types: list[str], window: int | None) -> tuple[int, ...]:
+    """Per-layer windows (see ``ModelConfig.windows``) from HF ``layer_types``: ``window`` for
+    each ``sliding_attention`` layer, 0 for the others; () when no layer is windowed."""
+    windows = tuple(window if t == "sliding_attention" and window else 0 for t in layer_types)
+    return windows if any(windows) else ()
+
+
+def qwen_windows(
+    raw: dict[str, Any], sliding: Callable[[int], bool] | None = None
+) -> tuple[int, ...]:
+    """The per-layer windows of a Qwen-style config: with ``use_sliding_window`` (or any
+    ``sliding_attention`` layer type) and ``sliding_window``, the layers ``layer_types`` calls
+    sliding, or, without layer types, those ``sliding(i)`` picks (default: from
+    ``max_window_layers`` on, Qwen2's and Qwen3's rule)."""
     window = raw.get("sliding_window")
-    layer_types = raw.get("layer_types") or []
-    uses = bool(raw.get("use_sliding_window")) or "sliding_attention" in layer_types
-    return window if uses and window else None
+    layer_types = raw.get("layer_types")
+    if not window or not (
+        raw.get("use_sliding_window") or "sliding_attention" in (layer_types or [])
+    ):
+        return ()
+    if layer_types is None:
+        first = raw.get("max_window_layers", 28)
+        rule = sliding or (lambda i: i >= first)
+        count = raw.get("num_hidden_layers", 0)
+        layer_types = ["sliding_attention" if rule(i) else "full_attention" for i in range(count)]
+    return layer_windows(layer_types, window)
 
 
 def raw_config(model_dir: str | Path) -> tuple[dict[str, Any], tuple[int, ...], Path]:
@@ -284,14 +331,17 @@ def parse_base(
     path: Path,
     *,
     max_position_embeddings: int,
-    window: int | None,
+    window: int | tuple[int, ...] | None,
     rope_theta: float = 10000.0,
     rms_norm_eps: float = 1e-6,
+    partial_rotary: bool = False,
 ) -> ModelConfig:
     """The checks and fields every architecture shares, from a config.json object: sizes,
     heads, head_dim, activation (silu), length, RoPE. ``max_position_embeddings``,
-    ``rope_theta`` and ``rms_norm_eps`` are the architecture's defaults for configs that leave them out; ``window``
-    is the attention window the architecture reads from the config (None: no window). Biases,
+    ``rope_theta`` and ``rms_norm_eps`` are the architecture's defaults for configs that leave them out
+    (``partial_rotary``: whether the architecture rotates part of each head); ``window``
+    is the attention window the architecture reads from the config: one for every layer, or
+    per layer (0: full attention), or None (no window). Biases,
     q/k norms and experts are off: the architecture's parser turns them on
     (``dataclasses.replace``)."""
     arch = architecture_name(raw, path)
@@ -319,10 +369,29 @@ def parse_base(
         raise ModelError(
             f"invalid config.json {path}: max_position_embeddings must be a positive integer"
         )
-    # Sliding-window attention is not implemented: the usable length is capped at the window,
-    # where windowed and full causal attention are identical.
-    max_model_len = min(max_pos, window) if isinstance(window, int) and window > 0 else max_pos
-    rope = _parse_rope(raw, path, max_pos, rope_theta)
+    windows = (window,) * num_layers if isinstance(window, int) else tuple(window or ())
+    if windows and (
+        len(windows) != num_layers
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows)
+    ):
+        raise ModelError(
+            f"invalid config.json {path}: sliding windows {window!r} for {num_layers} layers"
+        )
+    windows = windows if any(windows) else ()
+    rope = parse_rope(raw, path, max_pos, rope_theta)
+    rotated = head_dim * rope.partial_rotary_factor
+    if rope.partial_rotary_factor != 1.0 and (
+        not partial_rotary or rotated != int(rotated) or int(rotated) % 2 or rotated <= 0
+    ):
+        raise ModelError(
+            f"unsupported partial_rotary_factor {rope.partial_rotary_factor} in {path}"
+        )
+    for factors in (rope.short_factor, rope.long_factor):
+        if factors is not None and len(factors) != int(rotated) // 2:
+            raise ModelError(
+                f"invalid config.json {path}: {len(factors)} longrope factors for "
+                f"{int(rotated)} rotated dimensions"
+            )
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -333,13 +402,14 @@ def parse_base(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", rms_norm_eps)),
-        max_model_len=max_model_len,
+        max_model_len=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=False,
         o_bias=False,
         mlp_bias=False,
         qk_norm=False,
         rope=rope,
+        windows=windows,
     )
 
 

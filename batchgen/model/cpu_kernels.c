@@ -26,8 +26,10 @@
  *   out      [T, Hq, D] contiguous; lse [T, Hq] contiguous or NULL
  *
  * New token i of sequence b (q row cu[b]+i) sits at position p = seq_lens[b] - q_len + i and
- * attends to keys k_start[b] .. p. Query head h uses KV head h / (Hq/Hkv). When a row sees no
- * key at all, out is 0 and lse is -inf.
+ * attends to keys k_start[b] .. p; with a sliding window W > 0 (window), to keys
+ * max(k_start[b], p - W + 1) .. p only (the keys before are never read). Query head h uses KV
+ * head h / (Hq/Hkv). When a row sees no key at all, out is 0 and lse is -inf. With softcap > 0,
+ * each score s = scale * q.k becomes softcap * tanh(s / softcap) before the softmax.
  *
  * bf16 storage (paged_attention_bf16, prefix_attention_merge_bf16): q, k_cache and v_cache hold
  * bf16 (uint16 bit patterns), lse stays fp32, out is bf16 or fp32 (out_bf16). K/V are converted
@@ -75,11 +77,11 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                         const int32_t *cu_seqlens_q, const int32_t *seq_lens,
                         const int32_t *k_start, const int32_t *seqs, int num_seqs, float *out,
                         float *lse, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                        float scale, int tiled, int num_threads) {
+                        float scale, int window, float softcap, int tiled, int num_threads) {
     if (num_seqs <= 0) return 0;
     const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
                     out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
-                    block_size, 0, scale, 0, 0, 0, NULL, NULL};
+                    block_size, 0, scale, 0, 0, 0, NULL, NULL, window, softcap};
     return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
 }
 
@@ -90,11 +92,12 @@ int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
                          const int32_t *cu_seqlens_q, const int32_t *seq_lens,
                          const int32_t *k_start, const int32_t *seqs, int num_seqs, void *out,
                          int out_bf16, float *lse, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, float scale, int tiled, int num_threads) {
+                         int block_size, float scale, int window, float softcap, int tiled,
+                         int num_threads) {
     if (num_seqs <= 0) return 0;
     const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
                     out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
-                    block_size, 0, scale, 1, out_bf16 != 0, 0, NULL, NULL};
+                    block_size, 0, scale, 1, out_bf16 != 0, 0, NULL, NULL, window, softcap};
     return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
 }
 
@@ -110,11 +113,13 @@ int paged_attention_i8(const void *q, int64_t q_stride, int q_bf16, const int8_t
                        const int32_t *cu_seqlens_q, const int32_t *seq_lens,
                        const int32_t *k_start, const int32_t *seqs, int num_seqs, void *out,
                        int out_bf16, float *lse, int num_heads, int num_kv_heads, int head_dim,
-                       int block_size, float scale, int tiled, int num_threads) {
+                       int block_size, float scale, int window, float softcap, int tiled,
+                       int num_threads) {
     if (num_seqs <= 0) return 0;
     const Args a = {q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_start, seqs,
                     out, lse, q_stride, bt_stride, num_seqs, num_heads, num_kv_heads, head_dim,
-                    block_size, 0, scale, q_bf16 != 0, q_bf16 && out_bf16, 1, k_scale, v_scale};
+                    block_size, 0, scale, q_bf16 != 0, q_bf16 && out_bf16, 1, k_scale, v_scale,
+                    window, softcap};
     return tiled ? attend_tiled(a, num_threads) : attend_per_token(a, num_threads);
 }
 

@@ -156,10 +156,10 @@ class CpuKernels:
         lib = ctypes.CDLL(str(path))
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._attention = _bind(lib.paged_attention_f32, ctypes.c_int, p, i64, p, p, p, i64, p,
-                                p, p, p, i32, p, p, i32, i32, i32, i32, f32, i32, i32)  # fmt: skip
+                                p, p, p, i32, p, p, i32, i32, i32, i32, f32, i32, f32, i32, i32)  # fmt: skip
         self._attention_bf16 = _bind(lib.paged_attention_bf16, ctypes.c_int, p, i64, p, p, p, i64,
                                      p, p, p, p, i32, p, i32, p, i32, i32, i32, i32, f32, i32,
-                                     i32)  # fmt: skip
+                                     f32, i32, i32)  # fmt: skip
         self._store = {
             dt: _bind(getattr(lib, f"store_kv_{sfx}"), None, p, i64, p, i64, p, p, p, i64, i64)
             for dt, sfx in _SUFFIX.items()
@@ -183,7 +183,7 @@ class CpuKernels:
         }
         self._attention_i8 = _bind(lib.paged_attention_i8, ctypes.c_int, p, i64, i32, p, p, p, p,
                                    p, i64, p, p, p, p, i32, p, i32, p, i32, i32, i32, i32, f32,
-                                   i32, i32)  # fmt: skip
+                                   i32, f32, i32, i32)  # fmt: skip
         self._store_i8 = _bind(lib.store_kv_i8, None, p, i64, p, i64, i32, p, p, p, p, p, i64, i32,
                                i32)  # fmt: skip
         self._prefix_i8 = _bind(lib.prefix_attention_merge_i8, ctypes.c_int, p, i64, i32, p, p, p,
@@ -483,8 +483,13 @@ class CpuKernels:
         tiled: bool = False,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Attention of the sequences ``seqs`` ``[m]`` int32, written into their rows of ``out``.
+        ``window``: a sliding window W, the row at position p sees keys ``p-W+1 .. p`` only
+        (and none before ``k_start``); None: every key up to p. ``softcap``: each score s
+        becomes ``softcap * tanh(s / softcap)`` before the softmax (None: as it is).
 
         ``tiled``: the 16-row tiled variant, faster on runs of new tokens (prefills, extends);
         else the per-token one, for decodes.
@@ -568,6 +573,8 @@ class CpuKernels:
             d,
             block_size,
             scale,
+            window or 0,
+            softcap or 0.0,
             int(tiled),
             torch.get_num_threads(),
         )

@@ -29,6 +29,8 @@ typedef struct {
     int kv_i8;    /* k_cache, v_cache hold int8 with scales k_scale, v_scale (else q's dtype) */
     const float *k_scale; /* [num_blocks, block_size, Hkv]: scale of slot s, head h at s*Hkv+h */
     const float *v_scale;
+    int window; /* sliding window (keys p-window+1 .. p), 0: none */
+    float softcap; /* scores -> softcap * tanh(score / softcap); 0: none */
 } Args;
 
 typedef struct {
@@ -202,6 +204,10 @@ static inline __attribute__((always_inline)) void attend_row_group(
             }
         }
     }
+    if (a->softcap > 0.0f) {
+        const float cap = a->softcap, inv = 1.0f / a->softcap;
+        for (int i = 0; i < G * n; i++) scores[i] = cap * tanhf(scores[i] * inv);
+    }
     /* softmax per row, normalized in place */
     for (int g = 0; g < G; g++)
         softmax_row(scores + g * n, n, lse_row ? lse_row + kv_head * G + g : NULL);
@@ -300,7 +306,9 @@ static void run_task(Task *t) {
         for (int i = 0; i < q_len; i++) {
             const int pos = seq_len - q_len + i;
             const int64_t row = q0 + i;
-            attend_row_group_dispatch(a, key_off, pos + 1 - k0,
+            /* first key the row sees: k0, or its window's first */
+            const int lo = a->window > 0 && pos - a->window + 1 > k0 ? pos - a->window + 1 : k0;
+            attend_row_group_dispatch(a, key_off + (lo - k0), pos + 1 - lo,
                                       at_any(a->q, row * a->q_stride, a->bf16), kv_head,
                                       at_any(a->out, row * (int64_t)a->num_heads * D, a->out_bf16),
                                       a->lse ? a->lse + row * (int64_t)a->num_heads : NULL,
@@ -340,11 +348,12 @@ typedef struct {
  * read and written at lane0; pos, m, l: 16 per tile. pos_min/pos_max span the whole tile. */
 static inline __attribute__((always_inline)) void tile_attend_lanes(
     const float *kbuf, const float *vbuf, int num_keys, int k0, const float *qt,
-    const int32_t *pos_l, int pos_min, int pos_max, float *ot, float *m_out, float *l_out,
-    int lane0, int resume, const int D) {
+    const int32_t *pos_l, int pos_min, int pos_max, const int32_t *lo_l, int lo_min, int lo_max,
+    float softcap, float *ot, float *m_out, float *l_out, int lane0, int resume, const int D) {
     vn m = (vn){0} - 1e30f, l = {0};
-    vin pos;
+    vin pos, lo;
     memcpy(&pos, pos_l + lane0, sizeof pos);
+    memcpy(&lo, lo_l + lane0, sizeof lo);
     qt += lane0;
     ot += lane0;
     if (resume) { /* carry on from the state ot, m, l hold */
@@ -354,7 +363,9 @@ static inline __attribute__((always_inline)) void tile_attend_lanes(
         for (int d = 0; d < D; d++) storen(ot + 16 * d, (vn){0});
     }
     const int last = pos_max - k0 + 1 < num_keys ? pos_max - k0 + 1 : num_keys; /* keys seen */
-    for (int j0 = 0; j0 < last; j0 += 16) {
+    /* blocks of 16 keys wholly before every row's window are skipped */
+    const int first = lo_min > k0 ? (lo_min - k0) & ~15 : 0;
+    for (int j0 = first; j0 < last; j0 += 16) {
         vn s[16];
         const float *kb = kbuf + (int64_t)j0 * D;
         for (int jb = 0; jb < 16; jb += TILE_KEYS) { /* TILE_KEYS accumulators in registers */
@@ -366,9 +377,14 @@ static inline __attribute__((always_inline)) void tile_attend_lanes(
             }
             for (int j = 0; j < TILE_KEYS; j++) s[jb + j] = acc[j];
         }
-        if (k0 + j0 + 15 > pos_min) { /* some row sees only part of this block */
+        if (softcap > 0.0f) {
+            const float inv = 1.0f / softcap;
+            for (int j = 0; j < 16; j++)
+                for (int i = 0; i < VL; i++) s[j][i] = softcap * tanhf(s[j][i] * inv);
+        }
+        if (k0 + j0 + 15 > pos_min || k0 + j0 < lo_max) { /* some row sees part of it */
             for (int j = 0; j < 16; j++) {
-                const vin vis = pos >= k0 + j0 + j;
+                const vin vis = (pos >= k0 + j0 + j) & (lo <= k0 + j0 + j);
                 s[j] = (vn)(((vin)s[j] & vis) | ((vin)((vn){0} - INFINITY) & ~vis));
             }
         }
@@ -404,28 +420,42 @@ static inline __attribute__((always_inline)) void tile_attend_lanes(
 
 /* One 16-row tile against keys k0 .. k0+num_keys-1 (kbuf/vbuf rows, zero-padded to a multiple
  * of 16): ot (16 per d, transposed) <- the unnormalised output, m/l[16] <- each row's running
- * max and sum; row lane sees the keys at positions <= pos_l[lane]. With resume, the keys extend
+ * max and sum; row lane sees the keys at positions lo_l[lane] .. pos_l[lane] (lo_min, lo_max:
+ * the least and greatest lo_l; key blocks before lo_min are not read; scores capped when
+ * softcap > 0). With resume, the keys extend
  * the attention whose running state ot, m, l already hold (k0 a multiple of 16 past its keys):
  * the result is the same, bit for bit, as one call over both key ranges. */
 static inline __attribute__((always_inline)) void tile_attend(
     const float *kbuf, const float *vbuf, int num_keys, int k0, const float *qt,
-    const int32_t *pos_l, int pos_min, int pos_max, float *ot, float *m, float *l, int resume,
-    const int D) {
+    const int32_t *pos_l, int pos_min, int pos_max, const int32_t *lo_l, int lo_min, int lo_max,
+    float softcap, float *ot, float *m, float *l, int resume, const int D) {
     for (int lane0 = 0; lane0 < 16; lane0 += VL)
-        tile_attend_lanes(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, ot, m, l,
-                          lane0, resume, D);
+        tile_attend_lanes(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min,
+                          lo_max, softcap, ot, m, l, lane0, resume, D);
 }
 
 static void tile_attend_dispatch(const float *kbuf, const float *vbuf, int num_keys, int k0,
                                  const float *qt, const int32_t *pos_l, int pos_min, int pos_max,
+                                 const int32_t *lo_l, int lo_min, int lo_max, float softcap,
                                  float *ot, float *m, float *l, int resume, int D) {
+#define TILE_ATTEND(d)                                                                         \
+    tile_attend(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min, lo_max,    \
+                softcap, ot, m, l, resume, d)
     if (D == 64)
-        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, ot, m, l, resume, 64);
+        TILE_ATTEND(64);
     else if (D == 128)
-        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, ot, m, l, resume, 128);
+        TILE_ATTEND(128);
     else
-        tile_attend(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, ot, m, l, resume, D);
+        TILE_ATTEND(D);
+#undef TILE_ATTEND
 }
+
+/* lower bounds of rows without a window: every key position is >= */
+#define NO_LOWER (-(1 << 30))
+static const int32_t NO_LOWER16[16] = {NO_LOWER, NO_LOWER, NO_LOWER, NO_LOWER, NO_LOWER,
+                                       NO_LOWER, NO_LOWER, NO_LOWER, NO_LOWER, NO_LOWER,
+                                       NO_LOWER, NO_LOWER, NO_LOWER, NO_LOWER, NO_LOWER,
+                                       NO_LOWER};
 
 /* r[0..16) in place from rows to columns: afterwards r[j][i] is the old r[i][j]. Four rounds
  * swap the off-diagonal blocks of 8, 4, 2 and 1 lanes: 64 two-source shuffles in all. */
@@ -497,8 +527,11 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
     const int q0 = a->cu_seqlens_q[b];
     const int q_len = a->cu_seqlens_q[b + 1] - q0;
     const int seq_len = a->seq_lens[b];
-    const int k0 = a->k_start ? a->k_start[b] : 0;
     const int first_pos = seq_len - q_len; /* position of new token 0 */
+    /* the item's first key: k_start, or its first row's window's first key */
+    const int ks = a->k_start ? a->k_start[b] : 0;
+    const int wlo = first_pos + it->t_begin - a->window + 1;
+    const int k0 = a->window > 0 && wlo > ks ? wlo : ks;
     /* keys k0 .. (position of the item's last token), padded with zeros to a multiple of 16 */
     const int num_keys = first_pos + it->t_end - k0 > 0 ? first_pos + it->t_end - k0 : 0;
     const int32_t *table = a->block_tables + (int64_t)b * a->bt_stride;
@@ -514,7 +547,7 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
 
     const int rows = (it->t_end - it->t_begin) * G;
     for (int r0 = 0; r0 < rows; r0 += TILE) {
-        int32_t pos_l[16];
+        int32_t pos_l[16], lo_l[16];
         const void *qrows[16];
         int pos_min = 1 << 30, pos_max = -1;
         for (int lane = 0; lane < 16; lane++) { /* lanes past the last row repeat it */
@@ -523,12 +556,16 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
             qrows[lane] = at_any(a->q, (int64_t)(q0 + t) * a->q_stride +
                                            (int64_t)(it->kv_head * G + g) * D, bf);
             pos_l[lane] = first_pos + t;
+            lo_l[lane] = a->window > 0 ? pos_l[lane] - a->window + 1 : NO_LOWER;
             if (pos_l[lane] < pos_min) pos_min = pos_l[lane];
             if (pos_l[lane] > pos_max) pos_max = pos_l[lane];
         }
+        /* lanes are in position order: the first row has the least lower bound */
+        const int lo_min = lo_l[0], lo_max = lo_l[15];
         load_tile(qrows, bf, a->scale, D, qt);
         float m[16], l[16];
-        tile_attend_dispatch(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, ot, m, l, 0, D);
+        tile_attend_dispatch(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min,
+                             lo_max, a->softcap, ot, m, l, 0, D);
         unload_tile(ot, D, orow);
         for (int lane = 0; lane < 16 && r0 + lane < rows; lane++) {
             const int r = r0 + lane;
@@ -663,7 +700,8 @@ static void run_prefix_item(const void *q, int64_t q_stride, const void *k_cache
         memset(vbuf + (int64_t)n * D, 0, sizeof(float) * D * (padded - n));
         for (int t = 0; t < num_tiles; t++)
             tile_attend_dispatch(kbuf, vbuf, n, k0, qts + t * 16 * (size_t)D, pos,
-                                 prefix_len - 1, prefix_len - 1, ots + t * 16 * (size_t)D,
+                                 prefix_len - 1, prefix_len - 1, NO_LOWER16, NO_LOWER, NO_LOWER,
+                                 0.0f, ots + t * 16 * (size_t)D,
                                  ms + t * 16, ls + t * 16, k0 > 0, D);
     }
     for (int t = 0; t < num_tiles; t++) {

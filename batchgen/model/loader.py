@@ -33,6 +33,7 @@ from batchgen.model.config import (
     read_json,
 )
 from batchgen.model.layers.backend import LayerBackend
+from batchgen.model.layers.rotary import Rotary
 from batchgen.model.registry import architecture, read_model_config
 
 __all__ = [
@@ -208,7 +209,10 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     for ours, hf_names in plan.sources.items():
         parts = [loaded.pop(hf) for hf in hf_names]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if ours in plan.transforms:
+            tensor = plan.transforms[ours](parts)
+        else:
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if tensor.shape != expected[ours] and tensor.numel() == expected[ours].numel():
             # stacked experts: [E * rows, cols] concatenated -> [E, rows, cols]
             tensor = tensor.view(expected[ours])
@@ -222,7 +226,9 @@ def load_model(
         state[ours] = tensor
     model.load_state_dict(state, strict=True, assign=True)
     state.clear()  # the model holds the weights now: packing can free each one it replaces
-    model.rotary.to(device)
+    for module in model.modules():  # the RoPE tables (built on the CPU)
+        if isinstance(module, Rotary):
+            module.to(device)
     model.eval().requires_grad_(False)
     model.pack_weights()
     return model, model_info(cfg, eos)

@@ -21,7 +21,7 @@ from batchgen.model.config import (
     model_info,
     raw_config,
 )
-from batchgen.model.families import llama, mixtral, qwen2_moe, qwen3_moe
+from batchgen.model.families import gemma, gpt_oss, llama, mixtral, phi3, qwen2_moe, qwen3_moe
 
 __all__ = [
     "ARCHITECTURES",
@@ -39,6 +39,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         qwen3_moe.ARCHITECTURE,
         qwen2_moe.ARCHITECTURE,
         mixtral.ARCHITECTURE,
+        *gemma.ARCHITECTURES,  # Gemma 2, Gemma 3 (text)
+        phi3.ARCHITECTURE,  # Phi-3, Phi-4-mini
+        gpt_oss.ARCHITECTURE,
     )
 }
 

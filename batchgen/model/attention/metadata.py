@@ -9,7 +9,8 @@ A quantized cache (int8, float8_e4m3fn) has one fp32 scale per slot and KV head,
 
 A step is a flat list of new tokens: sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
 of ``q``. New token ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and sees
-every key at a position ``<=`` its own (cached prefix and new tokens alike). The same rule serves
+every key at a position ``<=`` its own (cached prefix and new tokens alike), or, in a layer with
+a sliding window W, the keys at its position minus ``W - 1`` and after. The same rule serves
 prefill, prefill of the tail of a cached prefix (chunked prefill, prefix-cache hits) and decode.
 """
 
@@ -53,10 +54,15 @@ class AttentionBackend(Protocol[Plan]):
         kv_cache: Tensor,
         num_heads: int,
         dtype: torch.dtype | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> Plan:
         """The step's plan: meta of this step, kv_cache ``[L, 2, num_blocks, block_size, Hkv,
         D]``, ``num_heads`` query heads (Hq), ``dtype`` q's (None: the cache's, which is q's
-        for a float cache)."""
+        for a float cache), ``window`` the sliding window W of the layers that will run it (a
+        row at position p sees keys ``p-W+1 .. p`` only; None: every key up to p). A model
+        with layers of different windows prepares one plan per window. ``softcap``: each score
+        s (``scale * q.k``) becomes ``softcap * tanh(s / softcap)`` before the softmax."""
         ...
 
     def forward(
@@ -70,11 +76,15 @@ class AttentionBackend(Protocol[Plan]):
         scale: float,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """q ``[T,Hq,D]``, k/v ``[T,Hkv,D]``, caches ``[num_blocks, block_size, Hkv, D]`` (one
         layer's planes of the kv_cache given to ``prepare``); for a quantized cache, that
         layer's scale planes ``[num_blocks, block_size, Hkv]`` fp32 (None for a float cache).
         The new K/V are stored (quantized) first; every key is then read from the cache.
+
+        ``sinks [Hq]`` fp32 (gpt-oss): each head's softmax has one more term, ``exp(sinks[h])``,
+        with no value (the output is scaled by ``sigmoid(lse - sink)``).
 
         Returns ``[T,Hq,D]``. GQA: ``Hq % Hkv == 0``; query head h uses KV head ``h // (Hq/Hkv)``.
         """

@@ -39,22 +39,69 @@ _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def _attend_lse(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+    is_causal: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Attention that also returns the log-sum-exp of the scores.
 
-    q ``[n, H, Lq, D]``, k/v ``[n, H, Lk, D]`` (same H), additive mask broadcastable to
-    ``[n, H, Lq, Lk]`` or None -> out ``[n, H, Lq, D]``, lse ``[n, H, Lq]`` fp32.
+    q ``[n, H, Lq, D]``, k/v ``[n, Hk, Lk, D]`` (H a multiple of Hk), additive mask
+    broadcastable to ``[n, H, Lq, Lk]`` or None (``is_causal``: a causal mask instead) -> out
+    ``[n, H, Lq, D]``, lse ``[n, H, Lq]`` fp32. ``softcap``: scores capped by
+    ``softcap * tanh(s / softcap)`` before the mask (the eager formula, not the CPU flash op).
     """
-    if q.device.type == "cpu" and _flash_cpu is not None:
-        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if q.device.type == "cpu" and _flash_cpu is not None and softcap is None:
+        out, lse = _flash_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
         return out, lse.float()
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        hide = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu_(lk - lq + 1)
+        scores = scores.masked_fill(hide, float("-inf"))
     if mask is not None:
         scores = scores + mask
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).to(v.dtype)
     return torch.matmul(probs, v), lse
+
+
+def _attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    softcap: float | None,
+    is_causal: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` (GQA: K/V heads shared by consecutive query heads), or
+    with ``softcap`` the eager formula of :func:`_attend_lse`."""
+    if softcap is not None:
+        return _attend_lse(q, k, v, mask, scale, softcap, is_causal)[0]
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+
+
+def _rows(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention out ``[n, H, L, D]`` and lse ``[n, H, L]`` -> rows ``[n*L, H, D]``, ``[n*L, H]``."""
+    n, h, length, d = o.shape
+    return o.transpose(1, 2).reshape(n * length, h, d), lse.transpose(1, 2).reshape(n * length, h)
 
 
 class TorchAttention:
@@ -107,6 +154,8 @@ class TorchAttention:
         kv_cache: Tensor,
         num_heads: int,
         dtype: torch.dtype | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> TorchAttentionPlan:
         """The step's plan (see ``AttentionBackend.prepare``): the C kernels for a CPU fp32 or
         bf16 cache when they can be built here (and ``native``), and for a quantized cache when
@@ -122,7 +171,9 @@ class TorchAttention:
             if supports is None or not supports(kv_cache.dtype, dtype):
                 kernels = None
         block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
-        return build_torch_plan(meta, block_size, num_heads // num_kv_heads, dtype, kernels)
+        return build_torch_plan(
+            meta, block_size, num_heads // num_kv_heads, dtype, kernels, window, softcap
+        )
 
     def forward(
         self,
@@ -135,9 +186,12 @@ class TorchAttention:
         scale: float,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """See ``AttentionBackend.forward``. A quantized cache is read dequantized (to q's
-        dtype) by the gathers, the step's own K/V included (FRESH groups use the stored rows)."""
+        dtype) by the gathers, the step's own K/V included (FRESH groups use the stored rows).
+        Sinks: every path also yields its rows' log-sum-exps, and the fp32 output is scaled by
+        ``sigmoid(lse - sink)`` at the end (after any cascade merge)."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         meta, kernels = plan.meta, plan.kernels
@@ -168,20 +222,24 @@ class TorchAttention:
         quant = {} if scales is None else {"k_scale": k_scale, "v_scale": v_scale}
 
         if (
-            len(plan.groups) == 1
+            sinks is None
+            and len(plan.groups) == 1
             and plan.groups[0].q_index is None
             and not plan.cascades
             and plan.cascade_batch is None
             and plan.native_seqs is None
             and plan.tiled_seqs is None
         ):
-            return self._group(plan.groups[0], q, k, v, k_flat, v_flat, scale, scales)[0]
+            return self._group(
+                plan.groups[0], q, k, v, k_flat, v_flat, scale, scales, plan.softcap
+            )[0]
         # a native cascade merge reads and rewrites out: fp32 until then (bf16 q: one rounding)
         cb = plan.cascade_batch
+        fp32_out = cb is not None or sinks is not None
         out = q.new_empty(
-            num_tokens, num_heads, head_dim, dtype=q.dtype if cb is None else torch.float32
+            num_tokens, num_heads, head_dim, dtype=torch.float32 if fp32_out else q.dtype
         )
-        with_lse = plan.cascades or cb is not None
+        with_lse = plan.cascades or cb is not None or sinks is not None
         lse_all = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if with_lse else None
         for seqs, tiled in ((plan.native_seqs, False), (plan.tiled_seqs, True)):
             if seqs is None:
@@ -200,11 +258,15 @@ class TorchAttention:
                 k_start=plan.k_start,
                 lse=lse_all,
                 tiled=tiled,
+                window=plan.window,
+                softcap=plan.softcap,
                 **quant,
             )
         for g in plan.groups:
             # [n*max_q, Hq, D], [.., Hq]
-            o, lse = self._group(g, q, k, v, k_flat, v_flat, scale, scales)
+            o, lse = self._group(
+                g, q, k, v, k_flat, v_flat, scale, scales, plan.softcap, sinks is not None
+            )
             if g.out_select is not None:
                 o = o.index_select(0, g.out_select)
                 lse = None if lse is None else lse.index_select(0, g.out_select)
@@ -224,6 +286,9 @@ class TorchAttention:
         for c in plan.cascades:
             assert lse_all is not None
             self._merge_prefix(c, q, k_flat, v_flat, out, lse_all, scale, scales)
+        if sinks is not None:  # softmax over the keys and the sink = the keys' share of it
+            assert lse_all is not None
+            out.mul_(torch.sigmoid(lse_all - sinks.float())[..., None])
         return out.to(q.dtype)
 
     def _group(
@@ -236,12 +301,13 @@ class TorchAttention:
         v_flat: Tensor,
         scale: float,
         scales: tuple[Tensor, Tensor] | None = None,
+        softcap: float | None = None,
+        need_lse: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """One padded group -> out ``[n*max_q, Hq, D]`` (padded rows included) and, for cascade
-        members, the log-sum-exp ``[n*max_q, Hq]``."""
+        members (or ``need_lse``), the log-sum-exp ``[n*max_q, Hq]``."""
         _, hq, d = q.shape
         hkv = k.shape[1]
-        grp = hq // hkv
         n, max_q, max_k = g.n, g.max_q, g.max_k
         qg = q if g.q_index is None else q.index_select(0, g.q_index)
         qg = qg.view(n, max_q, hq, d)
@@ -252,8 +318,11 @@ class TorchAttention:
             vg = v if g.q_index is None else v.index_select(0, g.q_index)
             kg = kg.view(n, max_q, hkv, d).transpose(1, 2)  # [n, Hkv, max_q, D]
             vg = vg.view(n, max_q, hkv, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qg.transpose(1, 2), kg, vg, is_causal=True, scale=scale, enable_gqa=grp > 1
+            if need_lse:
+                o, lse = _attend_lse(qg.transpose(1, 2), kg, vg, None, scale, softcap, True)
+                return _rows(o, lse)
+            o = _attend(
+                qg.transpose(1, 2), kg, vg, None, scale, softcap, is_causal=True
             )  # [n, Hq, max_q, D]
             return o.transpose(1, 2).reshape(n * max_q, hq, d), None
 
@@ -264,17 +333,20 @@ class TorchAttention:
         per_seq = 2 * max_k * hkv * d * q.element_size()  # gathered (dequantized) K+V
         step = max(1, _GATHER_CHUNK_BYTES // per_seq)
         if step >= n:
-            return self._attend_cached(g, qg, slots, g.mask, k_flat, v_flat, scale, scales)
+            return self._attend_cached(
+                g, qg, slots, g.mask, k_flat, v_flat, scale, scales, softcap, need_lse
+            )
         outs, lses = [], []
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             mask = None if g.mask is None else g.mask[lo:hi]
             o, lse = self._attend_cached(
-                g, qg[lo:hi], slots[lo:hi], mask, k_flat, v_flat, scale, scales
+                g, qg[lo:hi], slots[lo:hi], mask, k_flat, v_flat, scale, scales, softcap, need_lse
             )
             outs.append(o)
             lses.append(lse)
-        return torch.cat(outs), None if not g.want_lse else torch.cat(lses)  # type: ignore[arg-type]
+        keep = g.want_lse or need_lse
+        return torch.cat(outs), None if not keep else torch.cat(lses)  # type: ignore[arg-type]
 
     def _attend_cached(
         self,
@@ -286,6 +358,8 @@ class TorchAttention:
         v_flat: Tensor,
         scale: float,
         scales: tuple[Tensor, Tensor] | None = None,
+        cap: float | None = None,
+        need_lse: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Sequences ``qg [m, max_q, Hq, D]`` against their gathered keys ``slots [m, max_k]``
         -> out ``[m*max_q, Hq, D]`` and (want_lse) lse ``[m*max_q, Hq]``."""
@@ -302,9 +376,12 @@ class TorchAttention:
         if g.kind == DECODE:
             qp = qg.view(m, hkv, grp, d)  # the G heads sharing a KV head become G query rows
             if g.want_lse:
-                o, lse = _attend_lse(qp, kg, vg, mask, scale)  # [m,Hkv,G,D], [m,Hkv,G]
+                o, lse = _attend_lse(qp, kg, vg, mask, scale, cap)  # [m,Hkv,G,D], [m,Hkv,G]
                 return o.reshape(m, hq, d), lse.reshape(m, hq)
-            o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=mask, scale=scale)
+            if need_lse:
+                o, lse = _attend_lse(qp, kg, vg, mask, scale, cap)
+                return o.reshape(m, hq, d), lse.reshape(m, hq)
+            o = _attend(qp, kg, vg, mask, scale, cap)
             return o.reshape(m, hq, d), None
         if g.want_lse:
             qp = (
@@ -312,13 +389,13 @@ class TorchAttention:
                 .permute(0, 2, 1, 3, 4)
                 .reshape(m, hkv, max_q * grp, d)
             )
-            o, lse = _attend_lse(qp, kg, vg, mask, scale)  # [m,Hkv,max_q*G,D], [m,Hkv,max_q*G]
+            o, lse = _attend_lse(qp, kg, vg, mask, scale, cap)  # [m,Hkv,max_q*G,D], [m,Hkv,max_q*G]
             o = o.view(m, hkv, max_q, grp, d).permute(0, 2, 1, 3, 4).reshape(m * max_q, hq, d)
             lse = lse.view(m, hkv, max_q, grp).permute(0, 2, 1, 3).reshape(m * max_q, hq)
             return o, lse
-        o = F.scaled_dot_product_attention(
-            qg.transpose(1, 2), kg, vg, attn_mask=mask, scale=scale, enable_gqa=grp > 1
-        )  # [m, Hq, max_q, D]
+        if need_lse:
+            return _rows(*_attend_lse(qg.transpose(1, 2), kg, vg, mask, scale, cap))
+        o = _attend(qg.transpose(1, 2), kg, vg, mask, scale, cap)  # [m, Hq, max_q, D]
         return o.transpose(1, 2).reshape(m * max_q, hq, d), None
 
     def _merge_prefix(

@@ -120,7 +120,10 @@ class TorchAttentionPlan:
     # call each
     native_seqs: Tensor | None = None  # [m] int32 sequences for the per-token kernel
     tiled_seqs: Tensor | None = None  # [m] int32 sequences for the tiled kernel
-    k_start: Tensor | None = None  # [B] int32 first key each sequence attends to (cascades)
+    k_start: Tensor | None = None  # [B] int32 first key each sequence attends to (cascades,
+    #                                 windows)
+    window: int | None = None  # the layers' sliding window; None: full causal attention
+    softcap: float | None = None  # scores -> softcap * tanh(score / softcap); None: as they are
 
 
 def _split_groups(
@@ -192,6 +195,8 @@ def build_torch_plan(
     group: int,
     dtype: torch.dtype,
     kernels: CpuKernels | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> TorchAttentionPlan:
     """Turn the step metadata into padded groups (and cascades) with gather indices and masks;
     ``group`` = Hq // Hkv, ``dtype`` q's (float masks are in it).
@@ -202,6 +207,11 @@ def build_torch_plan(
     ``_FRESH_SDPA_MIN`` tokens (FRESH groups: SDPA on the step's own K/V, no gather); the shared
     prefixes of cascades go to a C kernel too (one call for all of them, merged into the other
     kernels' results by log-sum-exp).
+
+    ``window`` (the plan of layers with a sliding window W): each sequence's keys start at its
+    first new token's window (``p - W + 1``), masks hide the keys before each row's window, a
+    fresh prefill longer than W is attended like an extend, and there are no cascades (a shared
+    prefix is not in every row's window). ``softcap``: the scores are capped (no cascades either).
 
     One host sync per step (the B+1 offsets and B lengths, and the block-table rows of cascade
     candidates); the groups' index tensors are built with vectorized ops on the metadata's
@@ -219,7 +229,9 @@ def build_torch_plan(
 
     # shared prefixes: members skip them in their own groups (key offset ``start``)
     start = [0] * num_seqs
-    found = _find_cascades(meta, q_lens, k_lens, block_size)
+    found = [] if window or softcap else _find_cascades(meta, q_lens, k_lens, block_size)
+    if window:  # keys before the first new token's window are never read
+        start = [max(0, k_lens[b] - q_lens[b] - window + 1) for b in range(num_seqs)]
     rows_of: list[list[int]] = []  # per cascade: the members' q rows
     slots_of: list[list[int]] = []  # and the prefix's cache slots, in position order
     for members, blocks in found:
@@ -239,14 +251,16 @@ def build_torch_plan(
     native_seqs: list[int] = []
     tiled_seqs: list[int] = []
     for b in range(num_seqs):
-        sdpa_fresh = dtype == torch.bfloat16 and q_lens[b] == k_lens[b] >= _FRESH_SDPA_MIN
+        # a fresh prefill within the window: plain causal attention on the step's own K/V
+        fresh = q_lens[b] == k_lens[b] and (window is None or q_lens[b] <= window)
+        sdpa_fresh = fresh and dtype == torch.bfloat16 and q_lens[b] >= _FRESH_SDPA_MIN
         if native and not sdpa_fresh:
             (tiled_seqs if q_lens[b] * group >= _TILED_MIN_ROWS else native_seqs).append(b)
             continue
-        member = start[b] > 0
+        member = start[b] > 0 and not window  # a cascade's (a window's start is no prefix)
         if q_lens[b] == 1:
             kind = DECODE
-        elif q_lens[b] == k_lens[b]:
+        elif fresh:
             kind = FRESH
         else:
             kind = EXTEND
@@ -295,6 +309,8 @@ def build_torch_plan(
                     # new token i is at relative position k_len - q_len + i; it sees keys <= it
                     q_pos = (k_len - q_len)[:, None] + ar_q[None, :]  # [n, max_q]
                     mask = (ar_k[None, None, :] <= q_pos[:, :, None])[:, None]  # [n,1,max_q,max_k]
+                    if window:  # and keys > its position - W
+                        mask &= (ar_k[None, None, :] > q_pos[:, :, None] - window)[:, None]
                     if member:
                         mask = mask.repeat_interleave(group, dim=2)  # packed rows i*G+g
                 if mask is not None:  # additive form, as SDPA would convert it at every call
@@ -305,8 +321,9 @@ def build_torch_plan(
                 Group(kind, n, max_q, max_k, member, q_index, k_slots, mask, out_select, out_rows)
             )
     cascade_batch = k_start = None
-    if native and found:
+    if native and (found or window):
         k_start = torch.tensor(start, dtype=torch.int32)
+    if native and found:
         cascade_batch = CascadeBatch(
             torch.tensor([x for sl in slots_of for x in sl], dtype=torch.int64),
             torch.tensor([0] + [len(sl) for sl in slots_of]).cumsum(0),
@@ -323,4 +340,6 @@ def build_torch_plan(
         torch.tensor(native_seqs, dtype=torch.int32) if native_seqs else None,
         torch.tensor(tiled_seqs, dtype=torch.int32) if tiled_seqs else None,
         k_start,
+        window,
+        softcap,
     )

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from batchgen.model.attention.metadata import AttentionMetadata
 
-__all__ = ["TritonAttention"]
+__all__ = ["TritonAttention", "TritonPlan"]
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """The step's metadata plus the layers' window and softcap (the kernels need no more)."""
+
+    meta: AttentionMetadata
+    window: int | None = None
+    softcap: float | None = None
 
 
 class TritonAttention:
@@ -27,9 +38,11 @@ class TritonAttention:
         kv_cache: Tensor,
         num_heads: int,
         dtype: torch.dtype | None = None,
-    ) -> AttentionMetadata:
-        """The kernels need nothing beyond the metadata: it is the plan."""
-        return meta
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> TritonPlan:
+        """The kernels need nothing beyond the metadata, the window and the softcap."""
+        return TritonPlan(meta, window, softcap)
 
     def forward(
         self,
@@ -38,10 +51,11 @@ class TritonAttention:
         v: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
-        plan: AttentionMetadata,
+        plan: TritonPlan,
         scale: float,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """See ``AttentionBackend.forward``: a quantized cache is quantized on store and
         dequantized on load by the kernels."""
@@ -49,7 +63,7 @@ class TritonAttention:
             from batchgen.kernels import paged_attention, store_kv
 
             self._store_kv, self._paged_attention = store_kv, paged_attention
-        meta = plan
+        meta = plan.meta
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return self._paged_attention(
             q,
@@ -64,4 +78,7 @@ class TritonAttention:
             num_decode_seqs=meta.num_decodes,
             k_scale=k_scale,
             v_scale=v_scale,
+            window=plan.window,
+            softcap=plan.softcap,
+            sinks=None if sinks is None else sinks.float(),
         )

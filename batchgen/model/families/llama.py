@@ -6,8 +6,9 @@ The differences between the four architectures are flags of ``ModelConfig``:
 - Qwen2: bias on the q/k/v projections (not on o_proj);
 - Qwen3: RMSNorm over each head of q and k (``q_norm``/``k_norm``) before RoPE;
 - Llama: optional ``attention_bias`` (q/k/v/o) and ``mlp_bias``;
-- Mistral: a sliding window, which we do not implement: the config parser caps the usable
-  context at the window instead (``max_model_len``, :mod:`batchgen.model.config`) (within the window, windowed and full causal attention are the same).
+- Mistral: a sliding window in every layer (Qwen2/Qwen3: in the layers ``layer_types`` calls
+  sliding); a windowed layer attends to its window's keys only, through the step's attention plan
+  for that window (the cache keeps every position: prefix reuse is unchanged).
 
 Tokens are flat: a step is the concatenation of every sequence's new tokens, ``input_ids [T]``,
 ``positions [T]``; no batch dimension, no padding. q/k/v are fused into one projection, and gate/up
@@ -23,12 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchgen.model.architecture import Architecture, WeightPlan
 from batchgen.model.attention import AttentionBackend, AttentionMetadata
-from batchgen.model.config import ModelConfig, parse_base, qwen_sliding_window
+from batchgen.model.config import ModelConfig, parse_base, qwen_windows
 from batchgen.model.layers.activation import silu_mul
 from batchgen.model.layers.backend import LayerBackend
 from batchgen.model.layers.linear import (
@@ -43,6 +45,7 @@ from batchgen.model.layers.rotary import Rotary, rotation
 
 __all__ = [
     "ARCHITECTURES",
+    "layer_plans",
     "LlamaAttention",
     "LlamaDecoderLayer",
     "LlamaForCausalLM",
@@ -68,10 +71,12 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.attention = attention
         self.rope_ = rotation(layers)
+        self.rotary_dim = cfg.rotary_dim  # the first dimensions of each head; < D: partial
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, layers) if cfg.qk_norm else None
         self.k_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, layers) if cfg.qk_norm else None
+        self.sinks: nn.Parameter | None = None  # [Hq] sink logits (gpt-oss sets them)
 
     def forward(
         self,
@@ -95,16 +100,44 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         if self.q_norm is None:
             # q and k rotated together, in place in qkv (ours alone)
-            qk = self.rope_(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
+            if self.rotary_dim < d:
+                self.rope_(qk[..., : self.rotary_dim], cos, sin)
+            else:
+                self.rope_(qk, cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         else:
             assert self.k_norm is not None
             q = self.q_norm(qkv[:, : self.q_size].view(t, hq, d))  # [T, Hq, D]
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d))
             q, k = self.rope_(q, cos, sin), self.rope_(k, cos, sin)
-        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-        o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale, **scales)
+        extra = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
+        o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale, **extra)
         return self.o_proj.add_(residual, o.reshape(t, self.q_size))
+
+
+def layer_plans(
+    attention: AttentionBackend[Any],
+    cfg: ModelConfig,
+    meta: AttentionMetadata,
+    kv_cache: Tensor,
+    dtype: torch.dtype,
+    softcap: float | None = None,
+) -> list[Any]:
+    """Each layer's attention plan of the step, prepared once per distinct window (in the
+    model's ``dtype``, which a quantized cache's is not; ``softcap``: the model's attention
+    logit cap)."""
+    plans: dict[int | None, Any] = {}
+    out = []
+    for i in range(cfg.num_layers):
+        w = cfg.window(i)
+        if w not in plans:
+            extra = {} if softcap is None else {"softcap": softcap}
+            plans[w] = attention.prepare(meta, kv_cache, cfg.num_heads, dtype, window=w, **extra)
+        out.append(plans[w])
+    return out
 
 
 # rows per MLP pass on the CPU (see LlamaMLP.forward)
@@ -203,15 +236,25 @@ class LlamaForCausalLM(nn.Module):
         self.attention = attention
         self.layer_backend = layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_model_len)
+        self.rotary = Rotary(cfg.rope, cfg.rotary_dim, cfg.max_model_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, attention, layers, self.make_mlp(cfg, i, layers))
-            for i in range(cfg.num_layers)
+            self.make_layer(cfg, i, attention, layers) for i in range(cfg.num_layers)
         )
-        self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, layers)
+        self.norm = self.make_norm(cfg, layers)
         self.lm_head: Linear | PackedLinear | OneDnnLinear | None = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+
+    def make_layer(
+        self, cfg: ModelConfig, index: int, attention: AttentionBackend[Any], layers: LayerBackend
+    ) -> nn.Module:
+        """Decoder layer ``index`` (another family's block overrides this)."""
+        return LlamaDecoderLayer(cfg, attention, layers, self.make_mlp(cfg, index, layers))
+
+    @staticmethod
+    def make_norm(cfg: ModelConfig, layers: LayerBackend) -> nn.Module:
+        """The final norm."""
+        return rms_norm(cfg.hidden_size, cfg.rms_norm_eps, layers)
 
     @staticmethod
     def make_mlp(cfg: ModelConfig, index: int, layers: LayerBackend) -> nn.Module:
@@ -231,14 +274,26 @@ class LlamaForCausalLM(nn.Module):
         scales ``kv_scales [L, 2, num_blocks, block_size, Hkv]`` fp32 -> hidden ``[T, hidden]``
         after the final norm.
         """
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        # once per step; the model's dtype, which a quantized cache's is not
-        plan = self.attention.prepare(meta, kv_cache, self.cfg.num_heads, x.dtype)
-        cos, sin = self.rotary(positions, x.dtype)  # [T, D/2]
+        x = self.embed(input_ids)  # [T, hidden]
+        plans = layer_plans(self.attention, self.cfg, meta, kv_cache, x.dtype, self.attn_softcap)
+        ropes = self.layer_ropes(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             scales = () if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], plan, *scales)
+            cos, sin = ropes[i]
+            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], plans[i], *scales)
         return self.norm(x)
+
+    # the attention logit cap of every layer (Gemma 2 sets one)
+    attn_softcap: float | None = None
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """input_ids ``[T]`` -> the input embeddings ``[T, hidden]``."""
+        return self.embed_tokens(input_ids)
+
+    def layer_ropes(self, positions: Tensor, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's RoPE cos/sin ``[T, D/2]`` of the step (one table for all here)."""
+        rope = self.rotary(positions, dtype)
+        return [rope] * self.cfg.num_layers
 
     def pack_weights(self) -> int:
         """Pre-pack the linear weights for the layer backend's GEMM (MKL or oneDNN), if it has
@@ -372,13 +427,13 @@ def _parse_mistral(raw: dict[str, Any], path: Path) -> ModelConfig:
 
 def _parse_qwen2(raw: dict[str, Any], path: Path) -> ModelConfig:
     # q/k/v always have a bias, o_proj never
-    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_sliding_window(raw))
+    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_windows(raw))
     return dataclasses.replace(base, qkv_bias=True)
 
 
 def _parse_qwen3(raw: dict[str, Any], path: Path) -> ModelConfig:
     # per-head q/k RMSNorm; attention_bias covers q/k/v/o
-    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_sliding_window(raw))
+    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_windows(raw))
     bias = bool(raw.get("attention_bias", False))
     return dataclasses.replace(base, qkv_bias=bias, o_bias=bias, qk_norm=True)
 

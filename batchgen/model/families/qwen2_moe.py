@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.model.architecture import Architecture, WeightPlan
-from batchgen.model.config import ModelConfig, parse_base, qwen_sliding_window
+from batchgen.model.config import ModelConfig, parse_base, qwen_windows
 from batchgen.model.families.moe import ExpertNames, MoeForCausalLM, moe_config, moe_weights
 
 __all__ = ["ARCHITECTURE"]
@@ -24,7 +24,10 @@ _NAMES = ExpertNames(block="mlp.", gate="gate_proj", up="up_proj", down="down_pr
 
 
 def _parse(raw: dict[str, Any], path: Path) -> ModelConfig:
-    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_sliding_window(raw))
+    # without layer_types, transformers windows the even layers below max_window_layers
+    first = raw.get("max_window_layers", 28)
+    windows = qwen_windows(raw, lambda i: i % 2 == 0 and i < first)
+    base = parse_base(raw, path, max_position_embeddings=32768, window=windows)
     moe = moe_config(
         raw,
         path,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.model.architecture import Architecture, WeightPlan
-from batchgen.model.config import ModelConfig, parse_base, qwen_sliding_window
+from batchgen.model.config import ModelConfig, parse_base
 from batchgen.model.families.moe import ExpertNames, MoeForCausalLM, moe_config, moe_weights
 
 __all__ = ["ARCHITECTURE"]
@@ -23,7 +23,9 @@ _NAMES = ExpertNames(block="mlp.", gate="gate_proj", up="up_proj", down="down_pr
 
 
 def _parse(raw: dict[str, Any], path: Path) -> ModelConfig:
-    base = parse_base(raw, path, max_position_embeddings=32768, window=qwen_sliding_window(raw))
+    # transformers windows every layer when use_sliding_window is set (no layer_types)
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    base = parse_base(raw, path, max_position_embeddings=32768, window=window)
     bias = bool(raw.get("attention_bias", False))
     moe = moe_config(
         raw,

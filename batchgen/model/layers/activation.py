@@ -11,7 +11,7 @@ from torch import Tensor
 from batchgen.model.cpu_kernels import CpuKernels
 from batchgen.model.layers.backend import LayerBackend
 
-__all__ = ["CpuSiluMul", "SiluMul", "silu_mul", "silu_mul_"]
+__all__ = ["CpuSiluMul", "SiluMul", "gelu_tanh_mul_", "silu_mul", "silu_mul_"]
 
 # gate_up [T, 2I] -> silu(gate) * up [T, I], computed in place in gate_up
 SiluMul = Callable[[Tensor], Tensor]
@@ -23,6 +23,14 @@ def silu_mul_(gate_up: Tensor) -> Tensor:
     inter = gate_up.shape[1] // 2
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
     return F.silu(gate, inplace=True).mul_(up)
+
+
+def gelu_tanh_mul_(gate_up: Tensor) -> Tensor:
+    """GeGLU's activation (Gemma): gate_up ``[T, 2I]`` -> ``gelu_tanh(gate) * up`` ``[T, I]``
+    in the first half of gate_up, like :func:`silu_mul_`."""
+    inter = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    return gate.copy_(F.gelu(gate, approximate="tanh")).mul_(up)
 
 
 class CpuSiluMul:

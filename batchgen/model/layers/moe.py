@@ -110,7 +110,13 @@ class FusedExperts(nn.Module):
     each token's experts, fp32 (see the module docstring)."""
 
     def __init__(
-        self, num_experts: int, hidden: int, intermediate: int, layers: LayerBackend
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        layers: LayerBackend,
+        bias: bool = False,
+        activation: SiluMul | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -118,11 +124,19 @@ class FusedExperts(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.silu_mul_: SiluMul = silu_mul(layers)
-        # CUDA: the Triton kernel (the parameters stay stacked; nothing is packed there)
-        self.use_triton = layers.device.type == "cuda"
-        # CPU: the C kernel when it could be built (the parameters stay stacked)
-        self.cpu = layers.cpu
+        # gpt-oss: biases [E, 2I] and [E, H], and its clamped SwiGLU (``activation``, in place
+        # on [n, 2I] -> [n, I] like silu_mul_)
+        self.gate_up_bias = (
+            nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        )
+        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.silu_mul_: SiluMul = silu_mul(layers) if activation is None else activation
+        # CUDA: the Triton kernel (the parameters stay stacked; nothing is packed there), which
+        # has no biases or other activations: those experts run the PyTorch loop
+        self.use_triton = layers.device.type == "cuda" and not bias and activation is None
+        # CPU: the C kernel when it could be built (the parameters stay stacked), for the plain
+        # SwiGLU experts without biases
+        self.cpu = layers.cpu if not bias and activation is None else None
         # per expert, once packed (pack): the two GEMMs' packed layers; None: the parameters
         self.packed: list[tuple[PackedLinear | OneDnnLinear, PackedLinear | OneDnnLinear]] | None
         self.packed = None
@@ -131,6 +145,8 @@ class FusedExperts(nn.Module):
         """Pack each expert's weights for ``gemm`` (MKL, or oneDNN, which the model does not
         use for experts), dropping the stacked parameters; returns how many layers were
         packed."""
+        if self.gate_up_bias is not None:  # biased experts stay on F.linear
+            return 0
         packed = []
         for e in range(self.num_experts):
             packed.append(
@@ -189,7 +205,11 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue
             seg = rows[start : start + n]
-            if self.packed is None:
+            if self.gate_up_bias is not None:
+                assert self.down_bias is not None and self.packed is None
+                act = self.silu_mul_(F.linear(seg, self.gate_up_proj[e], self.gate_up_bias[e]))
+                out[start : start + n] = F.linear(act, self.down_proj[e], self.down_bias[e])
+            elif self.packed is None:
                 act = self.silu_mul_(F.linear(seg, self.gate_up_proj[e]))  # [n, I]
                 torch.mm(act, self.down_proj[e].t(), out=out[start : start + n])
             else:

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from batchgen.model.cpu_kernels import CpuKernels
 from batchgen.model.layers.backend import LayerBackend
 
-__all__ = ["CpuRMSNorm", "FusedRMSNorm", "RMSNorm", "rms_norm"]
+__all__ = ["CpuRMSNorm", "FusedRMSNorm", "OffsetRMSNorm", "RMSNorm", "rms_norm"]
 
 
 class RMSNorm(nn.Module):
@@ -50,6 +50,17 @@ class CpuRMSNorm(RMSNorm):
                 return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
             return super().forward(x)
         return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1, and the product with
+    ``1 + weight`` is taken in fp32 before rounding to the input dtype (the HF formula)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x ``[..., dim]`` -> ``[..., dim]``."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def rms_norm(dim: int, eps: float, backend: LayerBackend) -> RMSNorm:

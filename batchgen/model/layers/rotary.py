@@ -13,7 +13,7 @@ from batchgen.model.config import RopeConfig
 from batchgen.model.cpu_kernels import CpuKernels
 from batchgen.model.layers.backend import LayerBackend
 
-__all__ = ["Rotary", "Rotation", "rope_", "rope_inv_freq", "rotation"]
+__all__ = ["Rotary", "Rotation", "longrope_inv_freq", "rope_", "rope_inv_freq", "rotation"]
 
 # x [T, H, D], cos/sin [T, D/2] -> x rotated in place
 Rotation = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -35,6 +35,8 @@ def rope_inv_freq(
         inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type in ("default", "dynamic"):
         return inv_freq, 1.0
+    if rope.rope_type == "longrope":
+        return longrope_inv_freq(rope, dim, max_position_embeddings, long=False)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor, 1.0
     original = rope.original_max_position_embeddings or max_position_embeddings
@@ -82,9 +84,32 @@ def rope_inv_freq(
     raise ValueError(f"unsupported rope type {rope.rope_type!r}")
 
 
+def longrope_inv_freq(
+    rope: RopeConfig, dim: int, max_position_embeddings: int, long: bool
+) -> tuple[Tensor, float]:
+    """LongRoPE's inverse frequencies ``[dim/2]``, divided by its short or ``long`` factors, and
+    its cos/sin scale (from ``factor``: ``sqrt(1 + ln(factor) / ln(original))`` above 1)."""
+    original = rope.original_max_position_embeddings or max_position_embeddings
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if rope.factor <= 1.0 else math.sqrt(1 + math.log(rope.factor) / math.log(original))
+        )
+    factors = rope.long_factor if long else rope.short_factor
+    assert factors is not None
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
+    return inv_freq, float(attention_factor)
+
+
 class Rotary(nn.Module):
     """The cos/sin tables of every usable position (fp32 ``[max_len, D/2]``, the halves of HF's
-    tables, scaled by the rope type's attention factor)."""
+    tables, scaled by the rope type's attention factor); ``head_dim`` the rotated dimensions.
+
+    LongRoPE: positions below ``original_max_position_embeddings`` take the short factors, the
+    others the long ones. (Transformers chooses one set per forward pass, by its largest
+    position: the same as here for a prompt within the original length and every token
+    generated after it; a prompt longer than that is all long factors there.)"""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_len: int) -> None:
         super().__init__()
@@ -94,6 +119,10 @@ class Rotary(nn.Module):
             inv_freq, attention_factor = rope_inv_freq(rope, head_dim, max_len)
             pos = torch.arange(max_len, dtype=torch.float32)
             freqs = pos[:, None] * inv_freq[None, :]  # [max_len, D/2]
+            if rope.rope_type == "longrope":
+                long, _ = longrope_inv_freq(rope, head_dim, max_len, long=True)
+                original = rope.original_max_position_embeddings or max_len
+                freqs[original:] = pos[original:, None] * long[None, :]
             cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
