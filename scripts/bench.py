@@ -71,8 +71,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchgen.job import parse_memory
-
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_VERSION = "0.32.0"
@@ -1450,6 +1448,8 @@ def main() -> None:
         _run_multiple_choice(args, out)
         if not names:
             return
+    from batchgen.job import parse_memory  # here: vLLM's worker imports this file without batchgen
+
     kv_memory = parse_memory(args.kv_cache_memory or "1GiB")
     cpu = cpu_info()
     native = cpu["native_bf16"]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from batchgen.job import parse_memory
+
 _PATH = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 
 
@@ -119,7 +121,7 @@ def test_vllm_compute_cpus_from_its_log(bench):
 
 def test_kv_capacity_and_table(bench):
     # the small model: 8 layers, 2 KV heads of 64; fp32 8192 bytes/token, int8 2 * 8 * 2 * 68
-    assert bench.parse_memory("1GiB") == 1 << 30 and bench.parse_memory("512MiB") == 1 << 29
+    assert parse_memory("1GiB") == 1 << 30 and parse_memory("512MiB") == 1 << 29
     assert bench.kv_capacity(1 << 30, 8192) == 131072
     assert bench.kv_capacity(1 << 30, 2176) == 493440  # whole 16-token blocks
     run = lambda kv, bpt, t: {  # noqa: E731
@@ -186,3 +188,24 @@ def test_workload_m_is_moe(bench):
     assert all(100 - 1 <= len(p.split()) <= 300 - 1 for p in w.prompts)
     spec = bench.MODEL_SPECS["moe"]
     assert spec["arch"] == "qwen3_moe" and spec["config_overrides"]["num_experts"] == 128
+
+
+def test_the_script_imports_with_the_standard_library_only(tmp_path):
+    """vLLM's worker runs this file in vLLM's own venv, where batchgen (and torch's extras) are
+    not installed: only the standard library may be imported at module level."""
+    import subprocess
+
+    probe = (
+        "import sys, importlib.util\n"
+        "spec = importlib.util.spec_from_file_location('b', sys.argv[1])\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['b'] = m\n"
+        "spec.loader.exec_module(m)\n"
+        "bad = sorted(n.split('.')[0] for n in sys.modules if n.split('.')[0] in "
+        "('batchgen', 'torch', 'transformers', 'pyarrow', 'numpy'))\n"
+        "assert not bad, bad\n"
+    )
+    # -I: isolated (no site-packages of this venv's cwd tricks); -S: no site, the stdlib alone
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", probe, str(_PATH)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
