@@ -786,9 +786,10 @@ def run_vllm(
     spec_path.write_text(json.dumps(spec))
     (out / "result.json").unlink(missing_ok=True)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
-    threads = args.vllm_omp_threads or args.threads
-    if threads:
-        env.update(vllm_thread_env(threads, sorted(os.sched_getaffinity(0))))
+    cpus = sorted(os.sched_getaffinity(0))
+    # every core computing (docs/performance.md): vLLM's own default keeps one for its scheduler
+    threads = args.vllm_omp_threads or args.threads or len(cpus)
+    env.update(vllm_thread_env(threads, cpus))
     cmd = [
         str(args.vllm_venv / "bin" / "python"),
         str(Path(__file__).resolve()),
@@ -1377,8 +1378,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="compute threads for vLLM's worker, bound to the first CPUs this process may use "
-        "(VLLM_CPU_OMP_THREADS_BIND); default: --threads, else vLLM's own default (all cores "
-        "but one, kept for its scheduler: 1 of 2 here)",
+        "(VLLM_CPU_OMP_THREADS_BIND); default: --threads, else every CPU this process may use "
+        "(vLLM's own default keeps one for its scheduler: 1 of 2 computing here)",
     )
     parser.add_argument(
         "--moe-layers",
