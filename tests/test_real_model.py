@@ -242,3 +242,42 @@ def test_stop_strings_spanning_several_pieces(float32_rows, tmp_path):
     for row_id, _, before in picks:
         assert got[row_id]["text"] == before, (row_id, got[row_id]["text"], before)
         assert got[row_id]["finish_reason"] == "stop"
+
+
+# multiple choice on the real model: plain prompts, continuations with their leading space
+_QUESTIONS = [
+    ("The capital of France is", [" Paris.", " London.", " Berlin.", " a small village."]),
+    ("Water freezes at", [" 0 degrees Celsius.", " 100 degrees Celsius.", " noon."]),
+    ("The largest planet in our solar system is", [" Jupiter.", " Mars.", " the Moon."]),
+    ("A week has", [" seven days.", " ten days.", " three days."]),
+]
+
+
+def test_score_job_equals_transformers(tmp_path):
+    """A score job (task: score) on the real GGUF model through the CLI: each continuation's
+    summed logprob equals transformers' log-softmax over the same tokens (float32)."""
+    from tests.test_score import reference_scores, rows_of, score_job
+
+    table = pa.table(
+        {
+            "id": list(range(len(_QUESTIONS))),
+            "prompt": [q for q, _ in _QUESTIONS],
+            "choices": [c for _, c in _QUESTIONS],
+        }
+    )
+    job = score_job(tmp_path, real_model.gguf(), table)
+    run_cli("run", str(job), "--quiet")
+    rows = rows_of(tmp_path / "out")
+    worst = 0.0
+    for i, (prompt, choices) in enumerate(_QUESTIONS):
+        row = rows[i]
+        assert row["error"] is None
+        want = reference_scores(real_model.gguf(), prompt, choices)
+        assert row["choice_num_tokens"] == [n for _, n in want]
+        got = row["choice_logprobs"]
+        worst = max(worst, *(abs(g - w) for g, (w, _) in zip(got, want, strict=True)))
+        scores = row["choice_logprobs"]
+        assert row["best_choice"] == max(range(len(scores)), key=lambda c: (scores[c], -c))
+    assert worst < 2e-3, worst
+    right = sum(rows[i]["best_choice"] == 0 for i in range(len(_QUESTIONS)))
+    print(f"real model scores: largest difference {worst:.1e}, {right} of 4 best choices right")

@@ -13,6 +13,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
+from batchgen.model.loader import load_tokenizer
 from tests.hf_reference import hf_logits
 from tests.jobkit import invoke, refusal, run_cli, write_job
 
@@ -33,8 +34,9 @@ def rows_of(out: Path) -> dict:
 
 def reference_scores(model: Path, prompt: str, choices: list[str]) -> list[tuple[float, int]]:
     """(sum of transformers' log-softmax over the continuation's tokens, their count): the
-    continuation's tokens are those of tokenize(prompt + continuation) after the prompt's."""
-    tok = AutoTokenizer.from_pretrained(model)
+    continuation's tokens are those of tokenize(prompt + continuation) after the prompt's. The
+    tokenizer is transformers' (for a GGUF file, its conversion of the file's)."""
+    tok = load_tokenizer(model)
     n = len(tok(prompt)["input_ids"])
     seqs = [tok(prompt + c)["input_ids"] for c in choices]
     out = []

@@ -17,7 +17,7 @@ summed in slot order (so a token's result does not depend on which other tokens 
 step, up to the GEMMs' rounding for other row counts).
 
 - CPU with the C kernels (:meth:`batchgen.model.cpu_kernels.CpuKernels.moe_experts`): the
-  experts with few pairs (:data:`CPU_KERNEL_ROWS`; every expert in a decode step) in one call:
+  experts with few pairs (:data:`CPU_KERNEL_ROWS`; in decode steps usually all) in one call:
   a task is 16 weight rows of one expert, so each selected expert's weights are streamed once
   (``F.linear`` on a few rows of a stacked expert weight ran at a few GB/s); the experts with
   more pairs (prefill chunks) as GEMMs on the stacked weights.
@@ -46,7 +46,8 @@ __all__ = ["CPU_KERNEL_ROWS", "FusedExperts", "experts_reference", "route", "sor
 
 # On the CPU, an expert with at most this many pairs in a step runs in the C kernel (a stream
 # over its weights), one with more as GEMMs (which reuse each weight across rows better).
-# Measured at Qwen3-30B-A3B's expert shape, one thread: the kernel was 1.5-4x faster at 1-4
+# Measured at Qwen3-30B-A3B's expert shape, one thread, cores shared with other jobs (AMD EPYC,
+# AVX512-BF16): with every expert in the kernel it was 1.4-4.4x faster than the GEMMs at 1-2
 # pairs per expert and 0.7-0.8x at 16-64.
 CPU_KERNEL_ROWS = 8
 
@@ -187,8 +188,7 @@ class FusedExperts(nn.Module):
             at = starts.tolist()
             for e in big:
                 seg = x.index_select(0, rows[at[e] : at[e + 1]])
-                act = self.silu_mul_(F.linear(seg, self.gate_up_proj[e]))  # [n, I]
-                torch.mm(act, self.down_proj[e].t(), out=out[at[e] : at[e + 1]])
+                self._expert(e, seg, out[at[e] : at[e + 1]])
         pair_out = torch.empty_like(out)
         pair_out[order] = out  # back to (token, slot) order
         return pair_out
@@ -204,22 +204,24 @@ class FusedExperts(nn.Module):
         for e, n in enumerate(counts.tolist()):
             if n == 0:
                 continue
-            seg = rows[start : start + n]
-            if self.gate_up_bias is not None:
-                assert self.down_bias is not None and self.packed is None
-                act = self.silu_mul_(F.linear(seg, self.gate_up_proj[e], self.gate_up_bias[e]))
-                out[start : start + n] = F.linear(act, self.down_proj[e], self.down_bias[e])
-            elif self.packed is None:
-                act = self.silu_mul_(F.linear(seg, self.gate_up_proj[e]))  # [n, I]
-                torch.mm(act, self.down_proj[e].t(), out=out[start : start + n])
-            else:
-                gate_up, down = self.packed[e]
-                act = self.silu_mul_(gate_up(seg))
-                out[start : start + n] = down(act)
+            self._expert(e, rows[start : start + n], out[start : start + n])
             start += n
         pair_out = torch.empty_like(out)
         pair_out[order] = out  # back to (token, slot) order
         return pair_out
+
+    def _expert(self, e: int, seg: Tensor, out: Tensor) -> None:
+        """Expert ``e``'s MLP as GEMMs: rows seg ``[n, H]`` -> out ``[n, H]`` (written)."""
+        if self.gate_up_bias is not None:
+            assert self.down_bias is not None and self.packed is None
+            act = self.silu_mul_(F.linear(seg, self.gate_up_proj[e], self.gate_up_bias[e]))
+            out.copy_(F.linear(act, self.down_proj[e], self.down_bias[e]))
+        elif self.packed is None:
+            act = self.silu_mul_(F.linear(seg, self.gate_up_proj[e]))  # [n, I]
+            torch.mm(act, self.down_proj[e].t(), out=out)
+        else:
+            gate_up, down = self.packed[e]
+            out.copy_(down(self.silu_mul_(gate_up(seg))))
 
     def extra_repr(self) -> str:
         packed = ", packed" if self.packed is not None else ""
