@@ -995,6 +995,12 @@ def run_batchgen_scores(
     }
 
 
+def choice_sequences(tok: Any, prompt: str, choices: list[str]) -> tuple[int, list[list[int]]]:
+    """The question's token sequences (tokenize(prompt + choice)) and where each continuation
+    starts (the prompt's own token count), as batchgen's score jobs take them."""
+    return len(tok(prompt)["input_ids"]), [tok(prompt + c)["input_ids"] for c in choices]
+
+
 def run_hf_scores(w: ChoiceWorkload, model: Path, limit: int) -> dict:
     """transformers (fp32): each question's 4 prompt + choice sequences as one right-padded
     batch; the continuation's tokens as batchgen takes them (those of tokenize(prompt + choice)
@@ -1008,8 +1014,7 @@ def run_hf_scores(w: ChoiceWorkload, model: Path, limit: int) -> dict:
     count = min(limit, len(w.prompts))
     t = time.perf_counter()
     for q in range(count):
-        start = len(tok(w.prompts[q])["input_ids"])
-        seqs = [tok(w.prompts[q] + c)["input_ids"] for c in w.choices[q]]
+        start, seqs = choice_sequences(tok, w.prompts[q], w.choices[q])
         width = max(len(s) for s in seqs)
         ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
         mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
@@ -1032,8 +1037,9 @@ def run_vllm_scores(
     tok = AutoTokenizer.from_pretrained(model)
     seqs, starts = [], []
     for prompt, choices in zip(w.prompts, w.choices, strict=True):
-        starts.append(len(tok(prompt)["input_ids"]))
-        seqs += [tok(prompt + c)["input_ids"] for c in choices]
+        start, question = choice_sequences(tok, prompt, choices)
+        starts.append(start)
+        seqs += question
     spec = {
         "task": "score",
         "model": str(model),
