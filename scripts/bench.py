@@ -3,7 +3,7 @@
 The protocol it follows is docs/performance.md's (the peers, the workloads, the floor).
 
 Usage:
-  python scripts/bench.py [--workloads A,B,C,R,L,K,M,Q] [--no-hf] [--hf-real] [--no-vllm]
+  python scripts/bench.py [--workloads A,B,C,R,L,RS,LS,K,M,Q] [--no-hf] [--hf-real] [--no-vllm]
                           [--batchgen-dtypes auto,other] [--vllm-dtypes users,other]
                           [--kv-cache-dtypes auto,int8] [--kv-cache-memory 1GiB]
                           [--scale 0.25] [--repeat 1] [--json bench-out/bench.json]
@@ -17,7 +17,10 @@ vocab 151,936, tied embeddings, init 0.02), for workloads R (8 documents of ~1,0
 questions of 12-40 tokens each, rows shuffled, n=2, max_tokens 32) and L (32 unshared prompts of
 80-365 tokens, n=1, max_tokens 64). The real model's tokenizer is batchgen's tiny byte-level BPE
 trained for that vocabulary (about 8k tokens; prompt ids are all below 151,936; generated ids
-above the tokenizer's range decode to nothing, which does not change the work). Workload K
+above the tokenizer's range decode to nothing, which does not change the work). Workloads RS and
+LS are R and L on "smollm2", the real trained model (SmolLM2-135M-Instruct: llama, 30 layers,
+hidden 576, 9:3 heads, vocab 49,152) with its own tokenizer: the GGUF file of
+scripts/fetch_real_model.py, dequantized once to a Hugging Face folder. Workload K
 (long contexts, decode-bound: 8 prompts of 1,500-3,000 tokens, n=4, 128 new tokens; not in the
 default set) runs "long", the small model with 4,096 positions. Workload M (mixture of experts,
 not in the default set: 64 prompts of 100-300 tokens, n=2, 64 new tokens) runs "moe",
@@ -127,7 +130,12 @@ MODEL_SPECS["moe"] = dict(
     ),
 )
 
-# workload -> (model, its docs/performance.md shape in words)
+# "smollm2": the real trained model (SmolLM2-135M-Instruct, the GGUF file of
+# scripts/fetch_real_model.py), dequantized once by transformers into a Hugging Face folder that
+# batchgen and vLLM both load (vLLM's CPU build does not read GGUF files)
+MODEL_SPECS["smollm2"] = dict(gguf="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+# workload -> its model
 WORKLOAD_MODEL = {
     "A": "small",
     "B": "small",
@@ -137,12 +145,17 @@ WORKLOAD_MODEL = {
     "K": "long",
     "M": "moe",
     "Q": "real",  # multiple-choice scoring (--mc-model picks its model)
+    "RS": "smollm2",  # R and L on the real trained model
+    "LS": "smollm2",
 }
 ALL_WORKLOADS = tuple(WORKLOAD_MODEL)
+# workloads of the real model: the prompts, n and max_tokens of R and L
+REAL_MODEL_SHAPES = {"RS": "R", "LS": "L"}
 DEFAULT_WORKLOADS = ("A", "B", "C", "R", "L")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
-# issue #15's goals: batchgen (dtype auto) over vLLM-CPU in its users' dtype; issue 27's for M.
-GOALS = {"A": 1.5, "B": 1.2, "C": 1.5, "R": 1.5, "L": 1.2, "M": 1.2, "Q": 2.0}
+# batchgen (dtype auto) over vLLM-CPU in its users' dtype: issue 15's goals for C, 27's for M,
+# issue 30's goals for A, B, R, L and the real model (RS, LS).
+GOALS = {"A": 2.0, "B": 1.3, "C": 1.5, "R": 1.5, "L": 1.2, "M": 1.2, "Q": 2.0, "RS": 1.3, "LS": 1.3}
 # issue 27: batchgen (dtype auto) over transformers' generate (fp32)
 HF_GOALS = {"M": 10.0}
 FLOOR_GOAL = 0.6
@@ -329,19 +342,20 @@ def make_workload(tokenizer: Any, name: str, scale: float, seed: int = 0) -> Wor
     costs = WordCosts(tokenizer)
     rows = lambda r: max(1, round(r * scale))  # noqa: E731
     rng = random.Random(f"{seed}-{name}")
-    if name == "A":
+    shape = REAL_MODEL_SHAPES.get(name, name)
+    if shape == "A":
         w = Workload(name, "shared ~500-token system prompt + 16-64 unique", n=4, max_tokens=64)
         system = costs.words(rng, 499, leading=True)  # + BOS = 500 tokens
         w.prompts = [
             system + " " + costs.words(rng, rng.randint(16, 64), leading=False)
             for _ in range(rows(128))
         ]
-    elif name == "B":
+    elif shape == "B":
         w = Workload(name, "32-400 unique tokens", n=1, max_tokens=128)
         w.prompts = [
             costs.words(rng, rng.randint(32, 400) - 1, leading=True) for _ in range(rows(128))
         ]
-    elif name == "C":
+    elif shape == "C":
         w = Workload(name, "8 templates of 200-400 + 16-64 unique, shuffled", n=2, max_tokens=32)
         templates = [costs.words(rng, rng.randint(200, 400) - 1, leading=True) for _ in range(8)]
         w.prompts = [
@@ -349,7 +363,7 @@ def make_workload(tokenizer: Any, name: str, scale: float, seed: int = 0) -> Wor
             for i in range(rows(256))
         ]
         rng.shuffle(w.prompts)
-    elif name == "R":
+    elif shape == "R":
         # 8 documents x 6 questions = 48 rows; the rows are shuffled (a RAG job's rows come in
         # question order, not grouped by the document retrieved for them).
         w = Workload(
@@ -362,18 +376,18 @@ def make_workload(tokenizer: Any, name: str, scale: float, seed: int = 0) -> Wor
             for _ in range(6)
         ]
         rng.shuffle(w.prompts)
-    elif name == "K":
+    elif shape == "K":
         # decode-bound: every step reads ~2,000-3,000 cached tokens per sample
         w = Workload(name, "1,500-3,000 unique tokens, long contexts", n=4, max_tokens=128)
         w.prompts = [
             costs.words(rng, rng.randint(1500, 3000) - 1, leading=True) for _ in range(rows(8))
         ]
-    elif name == "L":
+    elif shape == "L":
         w = Workload(name, "80-365 unique tokens", n=1, max_tokens=64)
         w.prompts = [
             costs.words(rng, rng.randint(80, 365) - 1, leading=True) for _ in range(rows(32))
         ]
-    elif name == "M":
+    elif shape == "M":
         w = Workload(name, "MoE: 100-300 unique tokens", n=2, max_tokens=64)
         w.prompts = [
             costs.words(rng, rng.randint(100, 300) - 1, leading=True) for _ in range(rows(64))
@@ -1138,8 +1152,8 @@ def multiple_choice_bench(args: argparse.Namespace, out: Path) -> dict:
 
 
 def ensure_model(path: Path, spec: dict[str, Any]) -> Path:
-    """The model of ``spec`` (make_tiny_model's arguments) in ``path``, made there unless the
-    stamp beside it says it already is."""
+    """The model of ``spec`` (make_tiny_model's arguments, or ``gguf``: the real model's file) in
+    ``path``, made there unless the stamp beside it says it already is."""
     from batchgen.tiny_model import make_tiny_model
 
     stamp = path / ".bench-spec.json"
@@ -1148,10 +1162,32 @@ def ensure_model(path: Path, spec: dict[str, Any]) -> Path:
     if path.exists():
         shutil.rmtree(path)
     print(f"[bench] making the benchmark model in {path}", flush=True)
+    if "gguf" in spec:
+        convert_real_model(path)
+        stamp.write_text(json.dumps(spec))
+        return path
     kwargs = dict(spec)
     make_tiny_model(path, kwargs.pop("arch"), **kwargs)
     stamp.write_text(json.dumps(spec))
     return path
+
+
+def convert_real_model(path: Path) -> None:
+    """The real model's GGUF file (fetched once per machine), dequantized to float32 by
+    transformers' GGUF reader and saved as a Hugging Face folder in ``path``."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    script = ROOT / "scripts" / "fetch_real_model.py"
+    spec = importlib.util.spec_from_file_location("fetch_real_model", script)
+    assert spec is not None and spec.loader is not None
+    fetcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetcher)
+    gguf = fetcher.fetch()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(path)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -1404,9 +1440,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--workloads",
         default=",".join(DEFAULT_WORKLOADS),
-        help="comma-separated subset of A,B,C (small model), R,L (Qwen2.5-0.5B geometry), K "
-        "(long contexts, small model) and M (mixture of experts, Qwen3-30B-A3B's per-layer "
-        "geometry); default: A,B,C,R,L",
+        help="comma-separated subset of A,B,C (small model), R,L (Qwen2.5-0.5B geometry), RS,LS "
+        "(R and L on the real model, SmolLM2-135M-Instruct), K (long contexts, small model), M "
+        "(mixture of experts, Qwen3-30B-A3B's per-layer geometry) and Q (scoring); default: "
+        "A,B,C,R,L",
     )
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     parser.add_argument(
