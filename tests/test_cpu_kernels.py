@@ -162,10 +162,15 @@ SHAPES = [
     (4, 2, 128, 8),
     (16, 2, 128, 16),
     (14, 2, 64, 16),  # G = 7 (Qwen2.5-0.5B): 16/G keys per chunk leave 2 lanes unused
-    (6, 2, 64, 16),  # G = 3: generic
+    (9, 3, 64, 16),  # G = 3 (SmolLM2): 16/G keys per chunk leave 1 lane unused
+    (2, 2, 96, 8),  # D = 96 (Phi-3)
+    (8, 4, 256, 16),  # D = 256 (Gemma)
+    (10, 1, 64, 16),  # G = 10: generic
     (4, 1, 48, 4),  # D = 48: generic
     (3, 3, 8, 1),
 ]
+# the extend tests' subset: three specialized pairs, G = 7, G = 3 and the generic D = 48
+EXTEND_SHAPES = SHAPES[:3] + [(14, 2, 64, 16), (9, 3, 64, 16), (4, 1, 48, 4)]
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
@@ -185,7 +190,7 @@ def test_decode_matches_reference(
 
 @pytest.mark.parametrize("fp32_out", [False, True], ids=["", "fp32-out"])
 @pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
-@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES[:3] + SHAPES[4:7])
+@pytest.mark.parametrize("hq,hkv,d,bs", EXTEND_SHAPES)
 def test_extend_subset_and_key_start(
     flavor: Flavor, hq: int, hkv: int, d: int, bs: int, tiled: bool, fp32_out: bool
 ) -> None:

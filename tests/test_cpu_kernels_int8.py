@@ -14,7 +14,14 @@ import torch
 
 from batchgen.kernels.reference import dequantize_kv_ref, paged_attention_ref, quantize_kv_ref
 from batchgen.model.cpu_kernels import CpuKernels
-from tests.test_cpu_kernels import SHAPES, Flavor, kernels_of, make_case, reference
+from tests.test_cpu_kernels import (
+    EXTEND_SHAPES,
+    SHAPES,
+    Flavor,
+    kernels_of,
+    make_case,
+    reference,
+)
 
 I8 = torch.int8
 
@@ -162,7 +169,7 @@ def test_decode_matches_reference_over_dequantized_cache(
 
 @pytest.mark.parametrize("fp32_out", [False, True], ids=["", "fp32-out"])
 @pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
-@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES[:3] + SHAPES[4:7])
+@pytest.mark.parametrize("hq,hkv,d,bs", EXTEND_SHAPES)
 def test_extend_subset_and_key_start(
     flavor: Flavor, hq: int, hkv: int, d: int, bs: int, tiled: bool, fp32_out: bool
 ) -> None:

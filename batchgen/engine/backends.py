@@ -38,12 +38,16 @@ class Switches:
     ``cpu_avx512bf16``: ``BATCHGEN_CPU_KERNEL_AVX512BF16=0`` builds the C kernels' portable
     variant; ``pack_weights``: ``BATCHGEN_PACK_WEIGHTS=0`` keeps ``F.linear`` (no MKL or oneDNN
     packing); ``triton_interpret``: ``TRITON_INTERPRET=1`` lets the Triton backend run on a CPU.
+    One more changes no kernel but is read here with them: ``profile``, ``BATCHGEN_PROFILE=1``
+    (off by default), times each engine step's phases (:mod:`batchgen.engine.profile`) into the
+    report.
     """
 
     cpu_kernels: bool = True
     cpu_avx512bf16: bool = True
     pack_weights: bool = True
     triton_interpret: bool = False
+    profile: bool = False
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Switches:
@@ -53,6 +57,7 @@ class Switches:
             cpu_avx512bf16=env.get("BATCHGEN_CPU_KERNEL_AVX512BF16", "1") != "0",
             pack_weights=env.get("BATCHGEN_PACK_WEIGHTS", "1") != "0",
             triton_interpret=env.get("TRITON_INTERPRET") == "1",
+            profile=env.get("BATCHGEN_PROFILE") == "1",
         )
 
 

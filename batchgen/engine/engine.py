@@ -25,6 +25,7 @@ from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.device import device_guard
 from batchgen.engine.grammar import apply_masks
 from batchgen.engine.logprobs import token_logprobs
+from batchgen.engine.profile import NO_PROFILE, NoProfile, StepProfile, instrument
 from batchgen.engine.radix_cache import make_prefix_cache
 from batchgen.engine.request import Request, SampleResult, TokenSequence
 from batchgen.engine.sampler import SamplingBatch, sample
@@ -94,13 +95,15 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         backends: Backends | None = None,
         check_invariants: bool = False,
+        profile: bool = False,
     ) -> None:
         """``dtype`` is the model's compute dtype, ``kv_dtype`` the KV cache's (None: dtype;
         int8 or float8_e4m3fn: a quantized cache with one fp32 scale per token and KV head, in
         ``kv_scales``). ``detokenize`` is needed only for stop strings; ``backends``: the kernels
         the model was built with, whose block copy and sampler kernels the engine runs (default:
         :func:`~batchgen.engine.backends.choose_backends`' choice here); ``check_invariants`` runs the block accounting checks after every schedule and
-        update (tests)."""
+        update (tests); ``profile`` times each step's phases into ``self.profile``
+        (:mod:`batchgen.engine.profile`)."""
         self.model = model
         self.config = config
         self.device = device
@@ -109,6 +112,11 @@ class Engine:
         if backends is None:
             backends = choose_backends(device, dtype, config.attention_backend)
         self.sampler_kernels = backends.sampler
+        self.profile: StepProfile | NoProfile = NO_PROFILE
+        if profile:
+            sync = torch.cuda.synchronize if device.type == "cuda" else None
+            self.profile = StepProfile(sync)
+            instrument(model, backends.attention, self.profile)
         self.copy_blocks = backends.copy_blocks
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
         # the torch path must see finite values.
@@ -191,7 +199,12 @@ class Engine:
         """
         with device_guard(self.device):
             prev, self._in_flight = self._in_flight, None
+            start = time.perf_counter()
             batch = self.scheduler.schedule()
+            if self.profile.enabled and batch:
+                prefill = any(chunk.num_tokens != 1 for chunk in batch.chunks)
+                self.profile.begin_step("prefill" if prefill else "decode")
+                self.profile.add("schedule", time.perf_counter() - start)
             if not batch:
                 # Everything schedulable waits for an in-flight token (or for blocks it holds).
                 assert prev is not None, "scheduler produced an empty batch while work remains"
@@ -221,30 +234,39 @@ class Engine:
 
     def _run(self, batch: Batch, prev: _Launched | None) -> _Launched:
         """The device work of ``_launch``: block copies, the forward pass and the draw."""
-        if batch.copies:
-            src, dst = zip(*batch.copies, strict=True)
-            src_t, dst_t = self.staging.upload(torch.int64, [src, dst])
-            self.copy_blocks(self.kv_cache, src_t, dst_t)
-            if self.kv_scales is not None:  # a copied block keeps its tokens' scales
-                self.copy_blocks(self.kv_scales, src_t, dst_t)
-        rows = prev.rows if prev is not None else None
-        step = build_step(batch, self.config.block_size, self.device, self.staging, rows)
-        if step.fill_rows is not None:
-            assert prev is not None and prev.tokens is not None
-            step.fill_pending(prev.tokens)
-        if self.graphs is not None and self.graphs.supports(step):
-            hidden = self.graphs.run(step)
-        else:
-            # the quantized cache's scales go with it (models of float caches never see them)
-            scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
-            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta, **scales)
+        profile = self.profile
+        with profile.span("build"):
+            if batch.copies:
+                src, dst = zip(*batch.copies, strict=True)
+                src_t, dst_t = self.staging.upload(torch.int64, [src, dst])
+                self.copy_blocks(self.kv_cache, src_t, dst_t)
+                if self.kv_scales is not None:  # a copied block keeps its tokens' scales
+                    self.copy_blocks(self.kv_scales, src_t, dst_t)
+            rows = prev.rows if prev is not None else None
+            step = build_step(batch, self.config.block_size, self.device, self.staging, rows)
+            if step.fill_rows is not None:
+                assert prev is not None and prev.tokens is not None
+                step.fill_pending(prev.tokens)
+        with profile.span("forward"):
+            if self.graphs is not None and self.graphs.supports(step):
+                hidden = self.graphs.run(step)
+            else:
+                # the quantized cache's scales go with it (models of float caches never see them)
+                scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
+                hidden = self.model(
+                    step.input_ids, step.positions, self.kv_cache, step.meta, **scales
+                )
         self._account(batch)
-        self._prompt_logprobs(batch, step.first_rows, hidden)
+        with profile.span("prompt_logprobs"):
+            self._prompt_logprobs(batch, step.first_rows, hidden)
         if not len(step.logits_indices):
             return _Launched(batch, None, None)
-        logits = self.model.compute_logits(hidden[step.logits_indices])
-        tokens, logprobs, top = self._sample(batch, logits)
-        return _Launched(batch, tokens, self.readback.start(tokens, logprobs), top=top)
+        with profile.span("lm_head"):
+            logits = self.model.compute_logits(hidden[step.logits_indices])
+        with profile.span("sample"):
+            tokens, logprobs, top = self._sample(batch, logits)
+            readback = self.readback.start(tokens, logprobs)
+        return _Launched(batch, tokens, readback, top=top)
 
     def _prompt_logprobs(
         self, batch: Batch, first_rows: tuple[int, ...], hidden: torch.Tensor
@@ -283,6 +305,10 @@ class Engine:
     def _complete(self, launched: _Launched) -> list[SampleResult]:
         """Read ``launched``'s tokens back and let the scheduler record them; the samples that
         finished."""
+        with self.profile.span("complete"):
+            return self._complete_step(launched)
+
+    def _complete_step(self, launched: _Launched) -> list[SampleResult]:
         draws: list[Draw] = []
         if launched.readback is not None:
             tokens, logprobs = launched.readback.result()

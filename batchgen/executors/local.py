@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.dataset import InputRow
+from batchgen.engine.backends import Switches
 from batchgen.engine.engine import Engine
 from batchgen.engine.noise import rng_key
+from batchgen.engine.profile import StepProfile
 from batchgen.engine.request import (
     FinishReason,
     Request,
@@ -115,6 +117,7 @@ class RowGenerator:
             kv_dtype=place.kv_cache_dtype,
             detokenize=self._decode if self.params.stop or _stop_per_row(job) else None,
             backends=self.backends,
+            profile=Switches.from_environment().profile,
         )
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -333,7 +336,15 @@ class RowGenerator:
             "attention_backend": self.place.backend,
             # the C kernels of batchgen.model.cpu_kernels ran (CPU, fp32/bf16, a compiler was found)
             "cpu_kernels": self.backends.layers.cpu is not None,
-        }
+        } | self._profile()
+
+    def _profile(self) -> dict[str, Any]:
+        """``{"profile": ...}``: seconds per phase of the engine's steps, with BATCHGEN_PROFILE=1
+        (:mod:`batchgen.engine.profile`); nothing without."""
+        profile = self.engine.profile
+        if not isinstance(profile, StepProfile):
+            return {}
+        return {"profile": profile.summary()}
 
 
 def _stop_per_row(job: Job) -> bool:
