@@ -117,8 +117,9 @@ def test_bf16_model_runs_the_c_kernels_like_the_torch_path(
 def test_bf16_long_fresh_prefills_go_to_sdpa_beside_kernels_and_cascades(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """In a bf16 native plan a fresh prefill of at least ``_FRESH_SDPA_MIN`` tokens runs in a
-    PyTorch SDPA group (faster there than the tiled kernel), everything else in the kernels, in
+    """In a bf16 native plan with ``fresh_sdpa`` (what CPUs with AMX get) a fresh prefill of at
+    least ``_FRESH_SDPA_MIN`` tokens runs in a PyTorch SDPA group (faster there than the tiled
+    kernel), everything else in the kernels, in
     one step with a cascade (whose merge keeps the output fp32 until the end): the SDPA rows are
     bit for bit the PyTorch path's, the rest within bf16 rounding of it."""
     from batchgen.model.attention import AttentionMetadata, torch_plan
@@ -160,7 +161,7 @@ def test_bf16_long_fresh_prefills_go_to_sdpa_beside_kernels_and_cascades(
     kv = cache.view(2, -1, hkv, d)[:, slot_mapping]  # the new tokens' K/V, stored again
     outs, plans = [], []
     for native in (True, False):
-        attn = TorchAttention(native)
+        attn = TorchAttention(native, fresh_sdpa=True)
         plan = attn.prepare(meta, cache[None], hq)
         plans.append(plan)
         outs.append(attn.forward(q, kv[0], kv[1], cache[0], cache[1], plan, 0.125))
@@ -172,3 +173,9 @@ def test_bf16_long_fresh_prefills_go_to_sdpa_beside_kernels_and_cascades(
     assert ours.dtype == ref.dtype == torch.bfloat16
     assert torch.equal(ours[:fresh], ref[:fresh])
     torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    # without AMX (fresh_sdpa False) the long fresh prefill goes to the tiled kernel too
+    attn = TorchAttention(True, fresh_sdpa=False)
+    plan = attn.prepare(meta, cache[None], hq)
+    assert not plan.groups and plan.tiled_seqs is not None and 0 in plan.tiled_seqs.tolist()
+    out = attn.forward(q, kv[0], kv[1], cache[0], cache[1], plan, 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

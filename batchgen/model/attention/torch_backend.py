@@ -10,6 +10,7 @@ from torch import Tensor
 
 from batchgen.kernels.reference import dequantize_kv_ref, quantize_kv_ref
 from batchgen.model import cpu_kernels
+from batchgen.model.cpu_features import bf16_support
 from batchgen.model.attention.metadata import AttentionMetadata
 from batchgen.model.attention.torch_plan import (
     DECODE,
@@ -110,7 +111,8 @@ class TorchAttention:
     On a CPU fp32 or bf16 cache, and an int8 cache with fp32 or bf16 compute, every sequence and
     every cascade prefix runs in the C kernels of :mod:`batchgen.model.cpu_kernels` (they read
     the paged cache in place, int8 dequantized in registers) when they can be built,
-    but for long fresh prefills on a bf16 cache (PyTorch SDPA groups, see ``torch_plan``);
+    but for long fresh prefills on a bf16 cache on CPUs with AMX (PyTorch SDPA groups, see
+    ``torch_plan``);
     ``native=False`` keeps everything in PyTorch (gathers and SDPA); ``avx512bf16=False`` uses
     the C kernels' portable variant. ``prepare`` builds the
     step's ``TorchAttentionPlan``; ``forward`` runs it for one layer. Holds grow-only gather
@@ -119,10 +121,17 @@ class TorchAttention:
     concurrently.
     """
 
-    def __init__(self, native: bool = True, avx512bf16: bool = True) -> None:
+    def __init__(
+        self, native: bool = True, avx512bf16: bool = True, fresh_sdpa: bool | None = None
+    ) -> None:
+        """``fresh_sdpa``: long bf16 fresh prefills go to PyTorch's SDPA instead of the C
+        kernels (``torch_plan._FRESH_SDPA_MIN``); None: where the CPU has AMX."""
         self._workspace: dict[str, Tensor] = {}
         self._use_native = native
         self._avx512bf16 = avx512bf16  # the C kernels' variant (False: the portable one)
+        if fresh_sdpa is None:
+            fresh_sdpa = "AMX-BF16" in bf16_support().features
+        self._fresh_sdpa = fresh_sdpa
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         numel = math.prod(shape)
@@ -172,7 +181,14 @@ class TorchAttention:
                 kernels = None
         block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
         return build_torch_plan(
-            meta, block_size, num_heads // num_kv_heads, dtype, kernels, window, softcap
+            meta,
+            block_size,
+            num_heads // num_kv_heads,
+            dtype,
+            kernels,
+            window,
+            softcap,
+            self._fresh_sdpa,
         )
 
     def forward(

@@ -14,7 +14,8 @@ Two further ideas:
 
 With the C kernels (CPU fp32 or bf16 caches, ``native`` plans), every sequence goes to them
 instead of to a group (they read the paged cache in place), except long fresh prefills on a bf16
-cache, which PyTorch's bf16 SDPA computes faster (FRESH groups, see ``_FRESH_SDPA_MIN``).
+cache on CPUs with AMX, which PyTorch's bf16 SDPA computes faster there (FRESH groups, see
+``_FRESH_SDPA_MIN``).
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ _GROUP_OVERHEAD = 8192
 # many query rows (one 16-lane tile) goes to the C kernel's tiled variant; fewer rows (decodes,
 # short extends) to its per-token variant, which wastes no lanes.
 _TILED_MIN_ROWS = 16
-# In bf16 native plans a fresh prefill (no cached keys) of at least this many tokens goes to a
-# PyTorch SDPA group instead: the C kernel's tiled variant computes in fp32 (AVX512-BF16 dot
-# products measured slower than its fp32 FMAs on an AMX CPU), while PyTorch's bf16 SDPA runs its
-# matmuls on oneDNN (AMX where present). Measured, 1 thread, 8:2 and 14:2 heads of 64: the
-# kernel is faster up to ~128 tokens, even at 256, 2.2-2.6x slower at 512.
+# In bf16 native plans on CPUs with AMX (``fresh_sdpa``) a fresh prefill (no cached keys) of at
+# least this many tokens goes to a PyTorch SDPA group instead: the C kernel's tiled variant
+# computes in fp32 (AVX512-BF16 dot products measured slower than its fp32 FMAs on an AMX CPU),
+# while PyTorch's bf16 SDPA runs its matmuls on oneDNN's AMX kernels. Measured on an AMX Xeon, 1
+# thread, 8:2 and 14:2 heads of 64: the kernel is faster up to ~128 tokens, even at 256, 2.2-2.6x
+# slower at 512. Without AMX, SDPA is the slower one at every length (AMD EPYC with AVX512-BF16, 2
+# threads, 2 x 1,024 tokens of 8:2 heads: tiled kernel 6.8 ms, SDPA 17.9 ms;
+# scripts/bench_cpu_kernels.py --bf16-only).
 _FRESH_SDPA_MIN = 256
 # A shared prefix becomes a cascade when it saves at least this many gathered key positions.
 _CASCADE_MIN_SAVED = 256
@@ -197,14 +201,16 @@ def build_torch_plan(
     kernels: CpuKernels | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    fresh_sdpa: bool = False,
 ) -> TorchAttentionPlan:
     """Turn the step metadata into padded groups (and cascades) with gather indices and masks;
     ``group`` = Hq // Hkv, ``dtype`` q's (float masks are in it).
 
     ``kernels`` given (a ``native`` plan): every sequence goes to the C kernels, which read the
     paged cache in place (``native_seqs`` / ``tiled_seqs``, split by ``_TILED_MIN_ROWS``),
-    instead of into gathered SDPA groups, except, on a bf16 cache, fresh prefills of at least
-    ``_FRESH_SDPA_MIN`` tokens (FRESH groups: SDPA on the step's own K/V, no gather); the shared
+    instead of into gathered SDPA groups, except, on a bf16 cache with ``fresh_sdpa`` (CPUs with
+    AMX), fresh prefills of at least ``_FRESH_SDPA_MIN`` tokens (FRESH groups: SDPA on the step's
+    own K/V, no gather); the shared
     prefixes of cascades go to a C kernel too (one call for all of them, merged into the other
     kernels' results by log-sum-exp).
 
@@ -253,7 +259,9 @@ def build_torch_plan(
     for b in range(num_seqs):
         # a fresh prefill within the window: plain causal attention on the step's own K/V
         fresh = q_lens[b] == k_lens[b] and (window is None or q_lens[b] <= window)
-        sdpa_fresh = fresh and dtype == torch.bfloat16 and q_lens[b] >= _FRESH_SDPA_MIN
+        sdpa_fresh = (
+            fresh_sdpa and fresh and dtype == torch.bfloat16 and q_lens[b] >= _FRESH_SDPA_MIN
+        )
         if native and not sdpa_fresh:
             (tiled_seqs if q_lens[b] * group >= _TILED_MIN_ROWS else native_seqs).append(b)
             continue
