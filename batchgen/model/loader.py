@@ -326,12 +326,36 @@ def load_tokenizer(model_dir: str | Path) -> Any:
 
         return GgufModel.open(root).tokenizer()
     _check_tokenizer_files(root)
-    from transformers import AutoTokenizer
-
     try:
+        if _generic_tokenizer_class(root):
+            # the class AutoTokenizer would pick, without the model-config imports it makes to
+            # choose (about 0.8 s of a run's start-up)
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(root), local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     except Exception as err:
         raise ModelError(f"cannot load the tokenizer in {root}: {one_line(err)}") from None
+
+
+# tokenizer_config.json's tokenizer_class values that name transformers' generic fast tokenizer
+# (one tokenizer.json run by the tokenizers library), not a model-specific class
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _generic_tokenizer_class(root: Path) -> bool:
+    """Whether ``root``'s tokenizer is transformers' generic fast tokenizer with its
+    tokenizer.json."""
+    config = root / "tokenizer_config.json"
+    if not (config.is_file() and (root / "tokenizer.json").is_file()):
+        return False
+    try:
+        cls = json.loads(config.read_bytes()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return cls in _GENERIC_TOKENIZER_CLASSES
 
 
 def _safetensors_header(path: Path) -> bytes:

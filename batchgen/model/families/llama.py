@@ -235,7 +235,11 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.attention = attention
         self.layer_backend = layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built without a random init (``_weight``): the loader assigns the weights, and an init
+        # under the meta device imports torch._dynamo (0.85 s of every run's start-up)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.rotary = Rotary(cfg.rope, cfg.rotary_dim, cfg.max_model_len)
         self.layers = nn.ModuleList(
             self.make_layer(cfg, i, attention, layers) for i in range(cfg.num_layers)
