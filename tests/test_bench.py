@@ -209,3 +209,96 @@ def test_the_script_imports_with_the_standard_library_only(tmp_path):
         [sys.executable, "-I", "-S", "-c", probe, str(_PATH)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_openvino_properties_follow_the_cpus_bf16(bench):
+    """OpenVINO's users' dtype is vLLM's rule (bf16 where the CPU has amx_bf16 or avx512_bf16),
+    and its KV cache is kept in that dtype (the CPU plugin's default is a u8 cache)."""
+    for text, precision in [(CPUINFO, "bf16"), ("model name : AMD\nflags : avx2 avx512f\n", "f32")]:
+        native = bench.parse_cpuinfo(text)["native_bf16"]
+        dtype = bench.plan_dtypes(["users"], "bfloat16" if native else "float32", "users", native)
+        assert bench.openvino_properties(dtype[0], 2) == {
+            "INFERENCE_PRECISION_HINT": precision,
+            "KV_CACHE_PRECISION": precision,
+            "INFERENCE_NUM_THREADS": 2,
+        }
+    with pytest.raises(KeyError):
+        bench.openvino_precision("int8")
+
+
+def test_openvino_export_is_cached_beside_the_model_and_stamped(bench, tmp_path):
+    model = tmp_path / "bench-out" / "model-smollm2"
+    assert bench.openvino_export_dir(model) == tmp_path / "bench-out" / "ov-model-smollm2"
+    stamp = bench.openvino_export_spec({"gguf": "x.gguf"})
+    assert stamp["weight_format"] == "fp32" and stamp["task"] == "text-generation-with-past"
+    assert stamp != bench.openvino_export_spec({"gguf": "y.gguf"})  # a new model: export again
+    cmd = bench.openvino_export_command(tmp_path / ".venv-openvino", model, tmp_path / "dest")
+    assert cmd[0] == str(tmp_path / ".venv-openvino" / "bin" / "optimum-cli")
+    assert cmd[1:3] == ["export", "openvino"]
+    assert cmd[cmd.index("--weight-format") + 1] == "fp32"
+    assert cmd[cmd.index("--model") + 1] == str(model) and cmd[-1] == str(tmp_path / "dest")
+
+
+def test_openvino_install_pins_the_cpu_torch_in_the_same_install(bench, tmp_path):
+    steps = bench.openvino_install_steps(tmp_path / "v")
+    install = next(s for s in steps if "install" in s)
+    assert f"torch=={bench.TORCH_VERSION}" in install
+    assert f"openvino-genai=={bench.OPENVINO_GENAI_VERSION}" in install
+    assert f"optimum-intel[openvino]=={bench.OPTIMUM_INTEL_VERSION}" in install
+    assert steps[-1][-1] == "torchvision" and "uninstall" in steps[-1]
+
+
+def _result(bench, name, bg, ov, skipped=False):
+    run = lambda t: {"ok": True, "tok_s": t, "wall_s": 1.0}  # noqa: E731
+    r = {
+        "name": name,
+        "rows": 8,
+        "n": 1,
+        "work": {"output_tokens": 512, "ideal_computed_prompt_tokens": 100, "prompt_tokens": 100},
+        "batchgen_auto_dtype": "bfloat16",
+        "batchgen": {"bfloat16": run(bg)},
+        "vllm_users_dtype": "bfloat16",
+        "vllm_skipped": True,
+        "vllm": {},
+        "openvino_users_dtype": "bfloat16",
+        "openvino_skipped": skipped,
+        "openvino": {} if ov is None else {"bfloat16": run(ov)},
+        "hf": {"ok": False, "skipped": True},
+        "floor": {"bfloat16": {"tok_s": 1000.0}, "float32": {"tok_s": 250.0}},
+        "fraction_of_floor": {"batchgen": {"bfloat16": bg / 1000.0}},
+    }
+    r["headline"] = bench.headline(r)
+    return r
+
+
+def test_format_table_shows_openvino_and_the_bg_over_ov_headline(bench):
+    results = [
+        _result(bench, "L", 174.0, 151.0),
+        _result(bench, "LS", 356.0, 381.0),
+        _result(bench, "K", 100.0, None, skipped=True),
+    ]
+    assert results[0]["headline"]["ratio_openvino"] == pytest.approx(174 / 151)
+    assert results[1]["headline"]["met_openvino"] is False
+    assert results[2]["headline"]["ratio_openvino"] is None
+    table = bench.format_table(results)
+    header = table.splitlines()[0]
+    assert "OV tok/s" in header and "bg/OV" in header
+    row = next(ln for ln in table.splitlines() if ln.startswith("L ("))
+    assert "151*" in row and "1.15x" in row
+    assert "L: bg/OV = batchgen bf16 174 tok/s / OpenVINO bf16 151 tok/s = 1.15x (met)" in table
+    assert "LS: bg/OV" in table and "0.93x (NOT met)" in table
+    assert "(OpenVINO GenAI does not run K)" in table
+
+
+def test_the_openvino_worker_imports_the_stdlib_openvino_genai_and_pyarrow_only():
+    """The worker runs in OpenVINO's venv: no batchgen, torch or transformers."""
+    import ast
+
+    path = _PATH.parent / "bench_openvino_worker.py"
+    tops = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            tops |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            tops.add(node.module.split(".")[0])
+    assert tops - set(sys.stdlib_module_names) == {"openvino_genai", "pyarrow"}
