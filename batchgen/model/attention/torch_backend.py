@@ -10,7 +10,6 @@ from torch import Tensor
 
 from batchgen.kernels.reference import dequantize_kv_ref, quantize_kv_ref
 from batchgen.model import cpu_kernels
-from batchgen.model.cpu_features import bf16_support
 from batchgen.model.attention.metadata import AttentionMetadata
 from batchgen.model.attention.torch_plan import (
     DECODE,
@@ -20,6 +19,7 @@ from batchgen.model.attention.torch_plan import (
     TorchAttentionPlan,
     build_torch_plan,
 )
+from batchgen.model.cpu_features import bf16_support
 
 __all__ = ["TorchAttention"]
 
