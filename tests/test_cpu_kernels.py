@@ -154,8 +154,8 @@ def reference(
     return out, lse
 
 
-# (Hq, Hkv, D, block_size): the specialized pairs G in {1,2,4,5,6,7,8} x D in {64,128} and
-# generic ones
+# (Hq, Hkv, D, block_size): the specialized pairs G in {1..8} x D in {64, 128}, (1, 96) and
+# (2, 256), and generic ones
 SHAPES = [
     (8, 2, 64, 16),
     (8, 8, 64, 16),
