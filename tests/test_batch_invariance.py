@@ -10,7 +10,8 @@ tokens or whole prompts):
   settings below: fp32 5.4e-5 on an AVX-512 CPU, 2.4e-4 on an AVX2-only one, whose GEMM and
   attention kernels sum in other orders; bf16 1.9e-3 on both, where every layer's output is
   rounded to 8 bits of mantissa and the GEMM kernel, hence its order of sums, follows the step's
-  row count). The bounds leave about 4x room over the worst CPU measured;
+  row count; 0 on the AVX-512 CPU once its per-token and tiled attention kernels both took q.k
+  as exact bf16 products). The bounds leave about 4x room over the worst CPU measured;
 - tokens are the same but for near-ties, which tests/ties.py exempts and counts (in bf16 a
   near-tie is wider: BF16_TIE_EPS, the relative spread of bf16 logits).
 """

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from batchgen.model.cpu_features import bf16_support
 from batchgen.model.once import Once
 
 __all__ = ["CpuKernels", "build", "for_dtype", "load"]
@@ -60,6 +61,10 @@ _SOURCES = (
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # the portable bf16 build: bf16 converted by shifts, no AVX512-BF16 instructions
 _NO_AVX512BF16 = ["-mno-avx512bf16"]
+# the attention tiles' q.k on AVX512-BF16 dot products (where the build has them): on CPUs
+# without AMX, where they are faster than fp32 FMAs (AMD EPYC: bf16 workload R's attention about
+# a quarter faster); on AMX CPUs they measured slower
+_TILE_DPBF16 = ["-DBATCHGEN_TILE_DPBF16"]
 _DTYPES = (torch.float32, torch.bfloat16)
 # (cache dtype, compute dtype) pairs the kernels serve
 _KV_DTYPES = frozenset(
@@ -590,8 +595,11 @@ def build(avx512bf16: bool = True) -> CpuKernels | None:
     if cc is None:
         log.warning("no C compiler found: the CPU path uses slower PyTorch ops")
         return None
+    flags = _FLAGS if avx512bf16 else _FLAGS + _NO_AVX512BF16
+    if "AMX-BF16" not in bf16_support().features:
+        flags = flags + _TILE_DPBF16
     try:
-        return CpuKernels(_compile(cc, _FLAGS if avx512bf16 else _FLAGS + _NO_AVX512BF16))
+        return CpuKernels(_compile(cc, flags))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("could not build the CPU kernels (%s): using PyTorch ops", e)
         return None

@@ -4,6 +4,15 @@
  * (cascades) merged into their rows, and int8 quantization of new K/V rows. Layouts and
  * semantics: the header comment of cpu_kernels.c. */
 
+/* TILE_DPBF16: the tiles' q.k (prefills, extends, shared prefixes) on AVX512-BF16 dot products:
+ * the keys stay bf16 rows, the queries bf16 pairs, and each instruction adds two exact products
+ * in fp32 (then the scale). cpu_kernels.py asks for it (BATCHGEN_TILE_DPBF16) on CPUs without
+ * AMX; with AMX the fp32 FMAs measured faster. */
+#if defined(__AVX512BF16__) && defined(BATCHGEN_TILE_DPBF16)
+#define TILE_DPBF16 1
+typedef uint32_t u32_alias __attribute__((may_alias));
+#endif
+
 typedef struct {
     const void *q;       /* fp32 or bf16 (bf16) */
     const void *k_cache; /* fp32 or bf16 (bf16) */
@@ -354,7 +363,8 @@ typedef struct {
 static inline __attribute__((always_inline)) void tile_attend_lanes(
     const float *kbuf, const float *vbuf, int num_keys, int k0, const float *qt,
     const int32_t *pos_l, int pos_min, int pos_max, const int32_t *lo_l, int lo_min, int lo_max,
-    float softcap, float *ot, float *m_out, float *l_out, int lane0, int resume, const int D) {
+    float softcap, float *ot, float *m_out, float *l_out, int lane0, int resume, const int D,
+    const int DP, float qscale) {
     vn m = (vn){0} - 1e30f, l = {0};
     vin pos, lo;
     memcpy(&pos, pos_l + lane0, sizeof pos);
@@ -372,15 +382,34 @@ static inline __attribute__((always_inline)) void tile_attend_lanes(
     const int first = lo_min > k0 ? (lo_min - k0) & ~15 : 0;
     for (int j0 = first; j0 < last; j0 += 16) {
         vn s[16];
-        const float *kb = kbuf + (int64_t)j0 * D;
-        for (int jb = 0; jb < 16; jb += TILE_KEYS) { /* TILE_KEYS accumulators in registers */
-            vn acc[TILE_KEYS];
-            for (int j = 0; j < TILE_KEYS; j++) acc[j] = (vn){0};
-            for (int d = 0; d < D; d++) {
-                const vn q = loadn(qt + 16 * d);
-                for (int j = 0; j < TILE_KEYS; j++) acc[j] += kb[(jb + j) * D + d] * q;
+#if defined(TILE_DPBF16)
+        if (DP) { /* bf16 keys [j][D] and query pairs: each instruction sums two exact products */
+            const u32_alias *kb2 = (const u32_alias *)kbuf + (int64_t)j0 * (D / 2);
+            const u32_alias *q2 = (const u32_alias *)qt;
+            for (int jb = 0; jb < 16; jb += TILE_KEYS) {
+                __m512 acc[TILE_KEYS];
+                for (int j = 0; j < TILE_KEYS; j++) acc[j] = _mm512_setzero_ps();
+                for (int dp = 0; dp < D / 2; dp++) {
+                    const __m512bh q = (__m512bh)_mm512_loadu_si512(q2 + 16 * dp);
+                    for (int j = 0; j < TILE_KEYS; j++)
+                        acc[j] = _mm512_dpbf16_ps(
+                            acc[j], q, (__m512bh)_mm512_set1_epi32(kb2[(jb + j) * (D / 2) + dp]));
+                }
+                for (int j = 0; j < TILE_KEYS; j++) s[jb + j] = (vn)acc[j] * qscale;
             }
-            for (int j = 0; j < TILE_KEYS; j++) s[jb + j] = acc[j];
+        } else
+#endif
+        {
+            const float *kb = kbuf + (int64_t)j0 * D;
+            for (int jb = 0; jb < 16; jb += TILE_KEYS) { /* TILE_KEYS accumulators in registers */
+                vn acc[TILE_KEYS];
+                for (int j = 0; j < TILE_KEYS; j++) acc[j] = (vn){0};
+                for (int d = 0; d < D; d++) {
+                    const vn q = loadn(qt + 16 * d);
+                    for (int j = 0; j < TILE_KEYS; j++) acc[j] += kb[(jb + j) * D + d] * q;
+                }
+                for (int j = 0; j < TILE_KEYS; j++) s[jb + j] = acc[j];
+            }
         }
         if (softcap > 0.0f) {
             const float inv = 1.0f / softcap;
@@ -433,25 +462,40 @@ static inline __attribute__((always_inline)) void tile_attend_lanes(
 static inline __attribute__((always_inline)) void tile_attend(
     const float *kbuf, const float *vbuf, int num_keys, int k0, const float *qt,
     const int32_t *pos_l, int pos_min, int pos_max, const int32_t *lo_l, int lo_min, int lo_max,
-    float softcap, float *ot, float *m, float *l, int resume, const int D) {
+    float softcap, float *ot, float *m, float *l, int resume, const int D, const int DP,
+    float qscale) {
     for (int lane0 = 0; lane0 < 16; lane0 += VL)
         tile_attend_lanes(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min,
-                          lo_max, softcap, ot, m, l, lane0, resume, D);
+                          lo_max, softcap, ot, m, l, lane0, resume, D, DP, qscale);
 }
 
+/* dp: the tile was loaded by load_tile_pairs and its keys are bf16 rows (TILE_DPBF16 builds
+ * only; qscale: the softmax scale, applied to the scores) */
 static void tile_attend_dispatch(const float *kbuf, const float *vbuf, int num_keys, int k0,
                                  const float *qt, const int32_t *pos_l, int pos_min, int pos_max,
                                  const int32_t *lo_l, int lo_min, int lo_max, float softcap,
-                                 float *ot, float *m, float *l, int resume, int D) {
-#define TILE_ATTEND(d)                                                                         \
+                                 float *ot, float *m, float *l, int resume, int D, int dp,
+                                 float qscale) {
+#define TILE_ATTEND(d, DP)                                                                     \
     tile_attend(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min, lo_max,    \
-                softcap, ot, m, l, resume, d)
+                softcap, ot, m, l, resume, d, DP, qscale)
+#if defined(TILE_DPBF16)
+    if (dp) {
+        if (D == 64)
+            TILE_ATTEND(64, 1);
+        else if (D == 128)
+            TILE_ATTEND(128, 1);
+        else
+            TILE_ATTEND(D, 1);
+        return;
+    }
+#endif
     if (D == 64)
-        TILE_ATTEND(64);
+        TILE_ATTEND(64, 0);
     else if (D == 128)
-        TILE_ATTEND(128);
+        TILE_ATTEND(128, 0);
     else
-        TILE_ATTEND(D);
+        TILE_ATTEND(D, 0);
 #undef TILE_ATTEND
 }
 
@@ -504,6 +548,27 @@ static void load_tile(const void *const *rows, int bf, float scale, int D, float
     }
 }
 
+#if defined(TILE_DPBF16)
+/* A tile's bf16 query rows as pairs: qt[16*p + lane] (32 bits) = rows[lane][2p], [2p+1]
+ * (unscaled). D a multiple of 32. */
+static void load_tile_pairs(const void *const *rows, int D, float *qt) {
+    for (int c = 0; c < D / 2; c += 16) {
+        v16 r[16];
+        for (int lane = 0; lane < 16; lane++) memcpy(&r[lane], (const uint32_t *)rows[lane] + c, 64);
+        transpose16(r);
+        for (int j = 0; j < 16; j++) memcpy(qt + 16 * (c + j), &r[j], 64);
+    }
+}
+
+/* Whether a tile of this call runs on bf16 pairs: bf16 q and cache, D a multiple of 32. */
+static inline int tile_pairs(int bf, int kv_i8, int D) { return bf && !kv_i8 && D % 32 == 0; }
+#else
+static inline int tile_pairs(int bf, int kv_i8, int D) {
+    (void)bf, (void)kv_i8, (void)D;
+    return 0;
+}
+#endif
+
 /* The transposed tile output back to rows: out[lane*D + d] = ot[16*d + lane]. */
 static void unload_tile(const float *ot, int D, float *out) {
     if (D % 16) {
@@ -540,14 +605,22 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
     /* keys k0 .. (position of the item's last token), padded with zeros to a multiple of 16 */
     const int num_keys = first_pos + it->t_end - k0 > 0 ? first_pos + it->t_end - k0 : 0;
     const int32_t *table = a->block_tables + (int64_t)b * a->bt_stride;
+    const int dp = tile_pairs(bf, a->kv_i8, D); /* keys kept as bf16 rows */
+    uint16_t *kb16 = (uint16_t *)kbuf;
     for (int j = 0; j < num_keys; j++) {
         const int p = k0 + j;
         const int64_t off = ((int64_t)table[p / bs] * bs + p % bs) * kv_row + (int64_t)it->kv_head * D;
-        load_kv_row(kbuf + (int64_t)j * D, a->k_cache, a->k_scale, off, D, bf, a->kv_i8);
+        if (dp)
+            memcpy(kb16 + (int64_t)j * D, (const uint16_t *)a->k_cache + off, 2 * (size_t)D);
+        else
+            load_kv_row(kbuf + (int64_t)j * D, a->k_cache, a->k_scale, off, D, bf, a->kv_i8);
         load_kv_row(vbuf + (int64_t)j * D, a->v_cache, a->v_scale, off, D, bf, a->kv_i8);
     }
     const int padded = (num_keys + 15) & ~15;
-    memset(kbuf + (int64_t)num_keys * D, 0, sizeof(float) * D * (padded - num_keys));
+    if (dp)
+        memset(kb16 + (int64_t)num_keys * D, 0, 2 * (size_t)D * (padded - num_keys));
+    else
+        memset(kbuf + (int64_t)num_keys * D, 0, sizeof(float) * D * (padded - num_keys));
     memset(vbuf + (int64_t)num_keys * D, 0, sizeof(float) * D * (padded - num_keys));
 
     const int rows = (it->t_end - it->t_begin) * G;
@@ -567,10 +640,15 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
         }
         /* lanes are in position order: the first row has the least lower bound */
         const int lo_min = lo_l[0], lo_max = lo_l[15];
-        load_tile(qrows, bf, a->scale, D, qt);
+#if defined(TILE_DPBF16)
+        if (dp)
+            load_tile_pairs(qrows, D, qt);
+        else
+#endif
+            load_tile(qrows, bf, a->scale, D, qt);
         float m[16], l[16];
         tile_attend_dispatch(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min,
-                             lo_max, a->softcap, ot, m, l, 0, D);
+                             lo_max, a->softcap, ot, m, l, 0, D, dp, a->scale);
         unload_tile(ot, D, orow);
         for (int lane = 0; lane < 16 && r0 + lane < rows; lane++) {
             const int r = r0 + lane;
@@ -682,6 +760,8 @@ static void run_prefix_item(const void *q, int64_t q_stride, const void *k_cache
     float *qts = vbuf + PREFIX_CHUNK * (size_t)D, *ots = qts + ITEM_TILES * 16 * (size_t)D;
     float *ms = ots + ITEM_TILES * 16 * (size_t)D, *ls = ms + ITEM_TILES * 16;
     float *orow = ls + ITEM_TILES * 16;
+    const int dp = tile_pairs(bf, kv_i8, D); /* keys kept as bf16 rows */
+    uint16_t *kb16 = (uint16_t *)kbuf;
     int32_t pos[16]; /* every key visible; the padding of the last chunk masked */
     for (int lane = 0; lane < 16; lane++) pos[lane] = prefix_len - 1;
     for (int t = 0; t < num_tiles; t++) {
@@ -691,23 +771,34 @@ static void run_prefix_item(const void *q, int64_t q_stride, const void *k_cache
             const int64_t pr = r0 + lane < it->p1 ? r0 + lane : it->p1 - 1;
             qrows[lane] = at_any(q, crows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D, bf);
         }
-        load_tile(qrows, bf, scale, D, qts + t * 16 * (size_t)D);
+#if defined(TILE_DPBF16)
+        if (dp)
+            load_tile_pairs(qrows, D, qts + t * 16 * (size_t)D);
+        else
+#endif
+            load_tile(qrows, bf, scale, D, qts + t * 16 * (size_t)D);
     }
     for (int k0 = 0; k0 < prefix_len; k0 += PREFIX_CHUNK) {
         const int n = prefix_len - k0 < PREFIX_CHUNK ? prefix_len - k0 : PREFIX_CHUNK;
         for (int j = 0; j < n; j++) {
             const int64_t off = cslots[k0 + j] * kv_row + (int64_t)h * D;
-            load_kv_row(kbuf + (int64_t)j * D, k_cache, k_scale, off, D, bf, kv_i8);
+            if (dp)
+                memcpy(kb16 + (int64_t)j * D, (const uint16_t *)k_cache + off, 2 * (size_t)D);
+            else
+                load_kv_row(kbuf + (int64_t)j * D, k_cache, k_scale, off, D, bf, kv_i8);
             load_kv_row(vbuf + (int64_t)j * D, v_cache, v_scale, off, D, bf, kv_i8);
         }
         const int padded = (n + 15) & ~15;
-        memset(kbuf + (int64_t)n * D, 0, sizeof(float) * D * (padded - n));
+        if (dp)
+            memset(kb16 + (int64_t)n * D, 0, 2 * (size_t)D * (padded - n));
+        else
+            memset(kbuf + (int64_t)n * D, 0, sizeof(float) * D * (padded - n));
         memset(vbuf + (int64_t)n * D, 0, sizeof(float) * D * (padded - n));
         for (int t = 0; t < num_tiles; t++)
             tile_attend_dispatch(kbuf, vbuf, n, k0, qts + t * 16 * (size_t)D, pos,
                                  prefix_len - 1, prefix_len - 1, NO_LOWER16, NO_LOWER, NO_LOWER,
                                  0.0f, ots + t * 16 * (size_t)D,
-                                 ms + t * 16, ls + t * 16, k0 > 0, D);
+                                 ms + t * 16, ls + t * 16, k0 > 0, D, dp, scale);
     }
     for (int t = 0; t < num_tiles; t++) {
         const int64_t r0 = it->p0 + (int64_t)t * TILE;
