@@ -4,6 +4,7 @@ the tiny models (fp32), and the architectures the engine and job tests build."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -181,8 +182,9 @@ def hf_logits_decoding(model_dir: Path, seqs: list[list[int]], prompt: int) -> l
     return outs
 
 
-def hf_logits(model_dir: Path, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """transformers' teacher-forced logits of each sequence alone, ``[len, vocab]`` fp32."""
-    hf = hf_model(model_dir)
+def hf_logits(model_dir: Path | Any, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' teacher-forced logits of each sequence alone, ``[len, vocab]`` fp32;
+    ``model_dir``: a model folder or ``.gguf`` file, or a model :func:`hf_model` already read."""
+    hf = hf_model(model_dir) if isinstance(model_dir, str | Path) else model_dir
     with torch.no_grad():
         return [hf(torch.tensor([s])).logits[0].float() for s in seqs]

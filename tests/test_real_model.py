@@ -269,10 +269,11 @@ def test_score_job_equals_transformers(tmp_path):
     run_cli("run", str(job), "--quiet")
     rows = rows_of(tmp_path / "out")
     worst = 0.0
+    hf = hf_model(real_model.gguf())  # read once: dequantizing the file takes seconds
     for i, (prompt, choices) in enumerate(_QUESTIONS):
         row = rows[i]
         assert row["error"] is None
-        want = reference_scores(real_model.gguf(), prompt, choices)
+        want = reference_scores(real_model.gguf(), prompt, choices, hf)
         assert row["choice_num_tokens"] == [n for _, n in want]
         got = row["choice_logprobs"]
         worst = max(worst, *(abs(g - w) for g, (w, _) in zip(got, want, strict=True)))

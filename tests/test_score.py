@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -32,15 +33,18 @@ def rows_of(out: Path) -> dict:
     return {r["id"]: r for r in ds.dataset(out, format="parquet").to_table().to_pylist()}
 
 
-def reference_scores(model: Path, prompt: str, choices: list[str]) -> list[tuple[float, int]]:
+def reference_scores(
+    model: Path, prompt: str, choices: list[str], hf: Any = None
+) -> list[tuple[float, int]]:
     """(sum of transformers' log-softmax over the continuation's tokens, their count): the
     continuation's tokens are those of tokenize(prompt + continuation) after the prompt's. The
-    tokenizer is transformers' (for a GGUF file, its conversion of the file's)."""
+    tokenizer is transformers' (for a GGUF file, its conversion of the file's); ``hf``: the
+    model already read by ``hf_model`` (default: read here)."""
     tok = load_tokenizer(model)
     n = len(tok(prompt)["input_ids"])
     seqs = [tok(prompt + c)["input_ids"] for c in choices]
     out = []
-    for ids, logits in zip(seqs, hf_logits(model, seqs), strict=True):
+    for ids, logits in zip(seqs, hf_logits(model if hf is None else hf, seqs), strict=True):
         lp = torch.log_softmax(logits, dim=-1)
         out.append((math.fsum(lp[p - 1, ids[p]].item() for p in range(n, len(ids))), len(ids) - n))
     return out
