@@ -285,8 +285,9 @@ class JobRun:
         # What start-up made (modules, the tokenizer's tables, the model's objects) lives as long
         # as the generation: frozen out of the cyclic collector while it runs, whose full passes
         # over it paused the run up to 0.1 s each (workload L: 1.6% of its generation time), and
-        # given back to it after (a process that runs several jobs collects them as before)
-        gc.collect()
+        # given back to it after (a process that runs several jobs collects them as before). No
+        # collection first: in a long-lived process with a large heap (the test suite) one full
+        # pass per job cost more than it saved; freezing and unfreezing are O(1).
         gc.freeze()
         try:
             return self._generate_rows(signals)
