@@ -758,6 +758,18 @@ def _probe_vllm(venv: Path) -> str | None:
     return None
 
 
+def install_venv(steps: list[list[str]], log: Path) -> str | None:
+    """Run a peer's install recipe (``steps``: commands, the first making the venv), output
+    appended to ``log``; None when every step passed, else which one failed."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        for cmd in steps:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+            if rc != 0:
+                return f"install step failed (exit {rc}): {' '.join(cmd[2:5])}; see {log}"
+    return None
+
+
 def ensure_vllm(venv: Path, log: Path) -> str | None:
     """Create ``venv`` with the recipe of docs/performance.md unless vllm imports there; None if
     usable, else why not."""
@@ -779,13 +791,7 @@ def ensure_vllm(venv: Path, log: Path) -> str | None:
         # they break beside this torch (docs/performance.md)
         [py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
     ]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("a") as f:
-        for cmd in steps:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-            if rc != 0:
-                return f"install step failed (exit {rc}): {' '.join(cmd[2:5])}; see {log}"
-    return _probe_vllm(venv)
+    return install_venv(steps, log) or _probe_vllm(venv)
 
 
 def vllm_thread_env(threads: int, cpus: list[int]) -> dict[str, str]:
@@ -1011,13 +1017,7 @@ def ensure_openvino(venv: Path, log: Path) -> str | None:
         f"{OPTIMUM_INTEL_VERSION} into {venv} (log: {log})",
         flush=True,
     )
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("a") as f:
-        for cmd in openvino_install_steps(venv):
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-            if rc != 0:
-                return f"install step failed (exit {rc}): {' '.join(cmd[2:5])}; see {log}"
-    return _probe_openvino(venv)
+    return install_venv(openvino_install_steps(venv), log) or _probe_openvino(venv)
 
 
 def openvino_precision(dtype: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from batchgen.engine.profile import NO_PROFILE, StepProfile
+from batchgen.engine.profile import StepProfile
 from tests.jobkit import run_job, write_job
 
 
@@ -39,12 +39,6 @@ def test_step_kinds_are_kept_apart() -> None:
     assert s["decode"]["phases"]["sample"]["s"] == 0.5
     assert s["decode"]["phases"]["sample"]["ms_per_step"] == 250.0
 
-
-def test_no_profile_does_nothing() -> None:
-    NO_PROFILE.begin_step("decode")
-    with NO_PROFILE.span("forward"):
-        pass
-    assert not NO_PROFILE.enabled
 
 
 def test_profiled_job_reports_its_phases(tmp_path, tiny_model, monkeypatch) -> None:

@@ -62,8 +62,8 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # the portable bf16 build: bf16 converted by shifts, no AVX512-BF16 instructions
 _NO_AVX512BF16 = ["-mno-avx512bf16"]
 # the attention tiles' q.k on AVX512-BF16 dot products (where the build has them): on CPUs
-# without AMX, where they are faster than fp32 FMAs (AMD EPYC: bf16 workload R's attention about
-# a quarter faster); on AMX CPUs they measured slower
+# without AMX, where they are faster than fp32 FMAs (AMD EPYC: the tiled kernel 1.24x faster than
+# the portable build, scripts/bench_cpu_kernels.py --bf16-only); on AMX CPUs they measured slower
 _TILE_DPBF16 = ["-DBATCHGEN_TILE_DPBF16"]
 _DTYPES = (torch.float32, torch.bfloat16)
 # (cache dtype, compute dtype) pairs the kernels serve

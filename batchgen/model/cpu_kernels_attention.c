@@ -569,6 +569,39 @@ static inline int tile_pairs(int bf, int kv_i8, int D) {
 }
 #endif
 
+/* Key row j of a tile's key buffer: the cache row at element off kept as bf16 (dp: tiles on bf16
+ * pairs), else as fp32 (load_kv_row). */
+static inline void load_tile_key(float *kbuf, int64_t j, int dp, const void *k_cache,
+                                 const float *k_scale, int64_t off, int D, int bf, int kv_i8) {
+    if (dp)
+        memcpy((uint16_t *)kbuf + j * D, (const uint16_t *)k_cache + off, 2 * (size_t)D);
+    else
+        load_kv_row(kbuf + j * D, k_cache, k_scale, off, D, bf, kv_i8);
+}
+
+/* Zero the key and value rows n .. (n rounded up to 16) - 1 of a tile's buffers. */
+static inline void pad_tile_keys(float *kbuf, float *vbuf, int n, int dp, int D) {
+    const size_t rows = (size_t)(((n + 15) & ~15) - n);
+    if (dp)
+        memset((uint16_t *)kbuf + (int64_t)n * D, 0, 2 * (size_t)D * rows);
+    else
+        memset(kbuf + (int64_t)n * D, 0, sizeof(float) * D * rows);
+    memset(vbuf + (int64_t)n * D, 0, sizeof(float) * D * rows);
+}
+
+/* A tile's query rows in the layout tile_attend reads: bf16 pairs (dp) or scaled fp32. */
+static inline void load_tile_any(const void *const *rows, int bf, int dp, float scale, int D,
+                                 float *qt) {
+#if defined(TILE_DPBF16)
+    if (dp) {
+        load_tile_pairs(rows, D, qt);
+        return;
+    }
+#endif
+    (void)dp;
+    load_tile(rows, bf, scale, D, qt);
+}
+
 /* The transposed tile output back to rows: out[lane*D + d] = ot[16*d + lane]. */
 static void unload_tile(const float *ot, int D, float *out) {
     if (D % 16) {
@@ -606,22 +639,13 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
     const int num_keys = first_pos + it->t_end - k0 > 0 ? first_pos + it->t_end - k0 : 0;
     const int32_t *table = a->block_tables + (int64_t)b * a->bt_stride;
     const int dp = tile_pairs(bf, a->kv_i8, D); /* keys kept as bf16 rows */
-    uint16_t *kb16 = (uint16_t *)kbuf;
     for (int j = 0; j < num_keys; j++) {
         const int p = k0 + j;
         const int64_t off = ((int64_t)table[p / bs] * bs + p % bs) * kv_row + (int64_t)it->kv_head * D;
-        if (dp)
-            memcpy(kb16 + (int64_t)j * D, (const uint16_t *)a->k_cache + off, 2 * (size_t)D);
-        else
-            load_kv_row(kbuf + (int64_t)j * D, a->k_cache, a->k_scale, off, D, bf, a->kv_i8);
+        load_tile_key(kbuf, j, dp, a->k_cache, a->k_scale, off, D, bf, a->kv_i8);
         load_kv_row(vbuf + (int64_t)j * D, a->v_cache, a->v_scale, off, D, bf, a->kv_i8);
     }
-    const int padded = (num_keys + 15) & ~15;
-    if (dp)
-        memset(kb16 + (int64_t)num_keys * D, 0, 2 * (size_t)D * (padded - num_keys));
-    else
-        memset(kbuf + (int64_t)num_keys * D, 0, sizeof(float) * D * (padded - num_keys));
-    memset(vbuf + (int64_t)num_keys * D, 0, sizeof(float) * D * (padded - num_keys));
+    pad_tile_keys(kbuf, vbuf, num_keys, dp, D);
 
     const int rows = (it->t_end - it->t_begin) * G;
     for (int r0 = 0; r0 < rows; r0 += TILE) {
@@ -640,12 +664,7 @@ static void run_tile_item(const Args *a, const TileItem *it, float *kbuf, float 
         }
         /* lanes are in position order: the first row has the least lower bound */
         const int lo_min = lo_l[0], lo_max = lo_l[15];
-#if defined(TILE_DPBF16)
-        if (dp)
-            load_tile_pairs(qrows, D, qt);
-        else
-#endif
-            load_tile(qrows, bf, a->scale, D, qt);
+        load_tile_any(qrows, bf, dp, a->scale, D, qt);
         float m[16], l[16];
         tile_attend_dispatch(kbuf, vbuf, num_keys, k0, qt, pos_l, pos_min, pos_max, lo_l, lo_min,
                              lo_max, a->softcap, ot, m, l, 0, D, dp, a->scale);
@@ -761,7 +780,6 @@ static void run_prefix_item(const void *q, int64_t q_stride, const void *k_cache
     float *ms = ots + ITEM_TILES * 16 * (size_t)D, *ls = ms + ITEM_TILES * 16;
     float *orow = ls + ITEM_TILES * 16;
     const int dp = tile_pairs(bf, kv_i8, D); /* keys kept as bf16 rows */
-    uint16_t *kb16 = (uint16_t *)kbuf;
     int32_t pos[16]; /* every key visible; the padding of the last chunk masked */
     for (int lane = 0; lane < 16; lane++) pos[lane] = prefix_len - 1;
     for (int t = 0; t < num_tiles; t++) {
@@ -771,29 +789,16 @@ static void run_prefix_item(const void *q, int64_t q_stride, const void *k_cache
             const int64_t pr = r0 + lane < it->p1 ? r0 + lane : it->p1 - 1;
             qrows[lane] = at_any(q, crows[pr / G] * q_stride + ((int64_t)h * G + pr % G) * D, bf);
         }
-#if defined(TILE_DPBF16)
-        if (dp)
-            load_tile_pairs(qrows, D, qts + t * 16 * (size_t)D);
-        else
-#endif
-            load_tile(qrows, bf, scale, D, qts + t * 16 * (size_t)D);
+        load_tile_any(qrows, bf, dp, scale, D, qts + t * 16 * (size_t)D);
     }
     for (int k0 = 0; k0 < prefix_len; k0 += PREFIX_CHUNK) {
         const int n = prefix_len - k0 < PREFIX_CHUNK ? prefix_len - k0 : PREFIX_CHUNK;
         for (int j = 0; j < n; j++) {
             const int64_t off = cslots[k0 + j] * kv_row + (int64_t)h * D;
-            if (dp)
-                memcpy(kb16 + (int64_t)j * D, (const uint16_t *)k_cache + off, 2 * (size_t)D);
-            else
-                load_kv_row(kbuf + (int64_t)j * D, k_cache, k_scale, off, D, bf, kv_i8);
+            load_tile_key(kbuf, j, dp, k_cache, k_scale, off, D, bf, kv_i8);
             load_kv_row(vbuf + (int64_t)j * D, v_cache, v_scale, off, D, bf, kv_i8);
         }
-        const int padded = (n + 15) & ~15;
-        if (dp)
-            memset(kb16 + (int64_t)n * D, 0, 2 * (size_t)D * (padded - n));
-        else
-            memset(kbuf + (int64_t)n * D, 0, sizeof(float) * D * (padded - n));
-        memset(vbuf + (int64_t)n * D, 0, sizeof(float) * D * (padded - n));
+        pad_tile_keys(kbuf, vbuf, n, dp, D);
         for (int t = 0; t < num_tiles; t++)
             tile_attend_dispatch(kbuf, vbuf, n, k0, qts + t * 16 * (size_t)D, pos,
                                  prefix_len - 1, prefix_len - 1, NO_LOWER16, NO_LOWER, NO_LOWER,

@@ -52,7 +52,7 @@ _GROUP_OVERHEAD = 8192
 # short extends) to its per-token variant, which wastes no lanes.
 _TILED_MIN_ROWS = 16
 # In bf16 native plans on CPUs with AMX (``fresh_sdpa``) a fresh prefill (no cached keys) of at
-# least this many tokens goes to a PyTorch SDPA group instead: the C kernel's tiled variant
+# least this many tokens goes to a PyTorch SDPA group instead: there the C kernel's tiled variant
 # computes in fp32 (AVX512-BF16 dot products measured slower than its fp32 FMAs on an AMX CPU),
 # while PyTorch's bf16 SDPA runs its matmuls on oneDNN's AMX kernels. Measured on an AMX Xeon, 1
 # thread, 8:2 and 14:2 heads of 64: the kernel is faster up to ~128 tokens, even at 256, 2.2-2.6x
