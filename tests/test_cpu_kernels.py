@@ -394,6 +394,9 @@ def moe_reference(
         (1, 6, 96, 16, 6, False),  # one token, every expert once
         (13, 16, 40, 24, 1, True),  # every pair on one expert: tiles of 8, 4 and 1
         (33, 16, 128, 48, 4, False),  # some experts without pairs
+        (40, 4, 64, 64, 2, False),  # ~20 pairs per expert: 4 x 4 dpbf16 blocks in both passes
+        (24, 2, 64, 34, 1, False),  # dpbf16 gate-up pass with 2 rows left after the 4-row blocks
+        (24, 2, 66, 64, 1, False),  # ... the down pass likewise
     ],
 )
 def test_moe_experts_match_reference(
@@ -422,6 +425,28 @@ def test_moe_experts_match_reference(
     else:
         # a dot product summed in fp32 may round a GEMM output to the neighbouring bf16 value
         assert_within_ulps(out, want, 4.0, 1e-3)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_combine_matches_the_torch_combine(kernel: CpuKernels, dt: torch.dtype) -> None:
+    """Each token's weighted sum read from rows in any order equals the combine of the rows put
+    back in (token, slot) order; H with a tail past the 16-lane vectors."""
+    from batchgen.model.layers.moe import combine
+
+    gen = torch.Generator().manual_seed(9)
+    t, k, h = 7, 3, 40
+    y = torch.randn(t * k, h, generator=gen).to(dt)  # rows in a shuffled order
+    weights = torch.rand(t, k, generator=gen)
+    order = torch.randperm(t * k, generator=gen)  # row i of y is pair order[i]
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(t * k)
+    pair_out = torch.empty_like(y)
+    pair_out[order] = y
+    got = kernel.moe_combine(y, pos, weights)
+    assert got.dtype == torch.float32 and got.shape == (t, h)
+    torch.testing.assert_close(got, combine(pair_out, weights), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="moe_combine"):
+        kernel.moe_combine(y, pos[:-1], weights)
 
 
 def test_moe_experts_leave_the_experts_above_max_rows(kernel: CpuKernels) -> None:

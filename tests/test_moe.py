@@ -107,6 +107,7 @@ EXPERT_CASES = [
     (17, 8, 2, None),
     (40, 16, 4, None),  # some experts likely idle, others with many tokens
     (12, 8, 2, [[3, 6]] * 12),  # two experts with more pairs than CPU_KERNEL_ROWS: their GEMMs
+    (70, 8, 2, [[3, 6]] * 70),  # ... than CPU_KERNEL_ROWS_DPBF16 (bf16 with AVX512-BF16)
 ]
 
 

@@ -198,6 +198,10 @@ class CpuKernels:
                       i64, i64, i64, i64, i32)  # fmt: skip
             for dt, sfx in _SUFFIX.items()
         }
+        self._combine = {
+            dt: _bind(getattr(lib, f"moe_combine_{sfx}"), None, p, p, p, p, i64, i64, i64, i32)
+            for dt, sfx in _SUFFIX.items()
+        }
         self._noise = _bind(lib.uniform_noise_f32, None, p, p, i64, p, i64, i64)
         self._race = _bind(lib.race_draw_f32, None, p, i64, p, p, i64, i64, p)
         self.path = path
@@ -416,6 +420,30 @@ class CpuKernels:
                                 torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise MemoryError("cpu moe_experts: out of memory for its task list")
+
+    def moe_combine(self, y: Tensor, pos: Tensor, weights: Tensor) -> Tensor:
+        """Each token's weighted sum of its experts' outputs, read where they lie: y ``[P, H]``
+        (contiguous fp32 or bf16, the experts' output rows in any order), pos ``[T * k]`` int64
+        (pair ``(t, j)``'s row of y), weights ``[T, k]`` fp32 -> ``[T, H]`` fp32, summed in slot
+        order like :func:`batchgen.model.layers.moe.combine`."""
+        t, k = weights.shape
+        h = y.shape[1]
+        ok = (
+            y.dtype in _DTYPES
+            and y.dim() == 2
+            and y.is_contiguous()
+            and pos.dtype == torch.int64
+            and pos.shape == (t * k,)
+            and pos.is_contiguous()
+            and weights.dtype == torch.float32
+            and weights.is_contiguous()
+        )
+        if not ok:
+            raise ValueError("cpu moe_combine: unsupported dtypes, shapes or strides")
+        out = torch.empty(t, h, dtype=torch.float32)
+        self._combine[y.dtype](y.data_ptr(), pos.data_ptr(), weights.data_ptr(), out.data_ptr(),
+                               t, k, h, torch.get_num_threads())  # fmt: skip
+        return out
 
     def store_kv(
         self,

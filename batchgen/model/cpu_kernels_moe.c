@@ -28,7 +28,7 @@ static inline __attribute__((always_inline)) void moe_dots(const void *const *xs
                                                            float *r) {
 #if defined(__AVX512BF16__)
     if (BF && K % 32 == 0) {
-        __m512 a[MT];
+        __m512 a[MOE_TILE];
         for (int i = 0; i < MT; i++) a[i] = _mm512_setzero_ps();
         for (int64_t c = 0; c < K; c += 32) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512((const uint16_t *)w + c);
@@ -40,8 +40,8 @@ static inline __attribute__((always_inline)) void moe_dots(const void *const *xs
         return;
     }
 #endif
-    v16 a[MT];
-    float tail[MT];
+    v16 a[MOE_TILE];
+    float tail[MOE_TILE];
     for (int i = 0; i < MT; i++) a[i] = (v16){0}, tail[i] = 0.0f;
     int64_t c = 0;
     for (; c + 16 <= K; c += 16) {
@@ -60,6 +60,44 @@ static inline __attribute__((always_inline)) void moe_dots(const void *const *xs
         r[i] = t + tail[i];
     }
 }
+
+#if defined(__AVX512BF16__)
+/* the four sums of a[0..3]'s 16 lanes each (every sum reduced in the same order whatever its
+ * neighbours: a pair's result does not depend on the rows or pairs computed beside it) */
+static inline __attribute__((always_inline)) __m128 moe_sum4(const __m512 *a) {
+    __m256 b[4];
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* r[i][j0 + j] = xs[i] . (row j of w, rows ``row`` bytes apart) for MT pairs and 4 weight rows,
+ * bf16 operands, K % 32 == 0, fp32 sums: 4 + MT loads feed 4 * MT dot products per 32 columns
+ * (the one-row loop of moe_dots reloads every x row per weight row). The 4 rows are one
+ * contiguous block (row == 2 K); ``pf``: the bytes after it, prefetched at the same pace (four
+ * short row streams defeat the hardware prefetcher where one long one did not), or NULL. */
+static inline __attribute__((always_inline)) void moe_dots4(const void *const *xs, const char *w,
+                                                            int64_t row, int64_t K, const int MT,
+                                                            float r[][16], int j0,
+                                                            const char *pf) {
+    __m512 a[4][4]; /* fixed sizes: an array sized by MT is a VLA, kept in memory */
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < K; c += 32) {
+        if (pf != NULL)
+            for (int l = 0; l < 4; l++) _mm_prefetch(pf + c * 8 + l * 64, _MM_HINT_T0);
+        __m512bh wv[4];
+        for (int j = 0; j < 4; j++)
+            wv[j] = (__m512bh)_mm512_loadu_si512((const uint16_t *)(w + j * row) + c);
+        for (int i = 0; i < MT; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t *)xs[i] + c);
+            for (int j = 0; j < 4; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], xv, wv[j]);
+        }
+    }
+    for (int i = 0; i < MT; i++) _mm_storeu_ps(r[i] + j0, moe_sum4(a[i]));
+}
+#endif
 
 /* store n <= 16 fp32 values v at dst[0..n) of an fp32 or bf16 (BF) row */
 static inline __attribute__((always_inline)) void moe_store(void *dst, v16 v, int n, const int BF) {
@@ -88,8 +126,23 @@ static inline __attribute__((always_inline)) void moe_tile(const void *const *xs
                                                            const int BF, float g[][16],
                                                            float u[][16]) {
     const int64_t row = K * (BF ? 2 : 4);
-    float r[MT];
-    for (int j = 0; j < nn; j++) {
+    float r[MOE_TILE];
+    int j = 0;
+#if defined(__AVX512BF16__)
+    if (BF && K % 32 == 0 && MT >= 4) {
+        /* at most 4 pairs per pass: 4 x 4 accumulators, the weight rows again from L1 */
+        const int M1 = MT < 4 ? MT : 4, M2 = MT - M1;
+        for (; j + 4 <= nn; j += 4) {
+            const char *wg = w0 + j * row, *wu = w0 + up + j * row;
+            moe_dots4(xs, wg, row, K, M1, g, j, wg + 4 * row);
+            if (M2 > 0) moe_dots4(xs + M1, wg, row, K, M2, g + M1, j, NULL);
+            if (!gate_pass) continue;
+            moe_dots4(xs, wu, row, K, M1, u, j, wu + 4 * row);
+            if (M2 > 0) moe_dots4(xs + M1, wu, row, K, M2, u + M1, j, NULL);
+        }
+    }
+#endif
+    for (; j < nn; j++) {
         moe_dots(xs, w0 + j * row, K, MT, BF, r);
         for (int i = 0; i < MT; i++) g[i][j] = r[i];
         if (gate_pass) {
@@ -200,4 +253,46 @@ int moe_experts_bf16(const uint16_t *x, int64_t x_stride, const int64_t *rows,
                      int64_t max_rows, int num_threads) {
     return moe_experts(x, x_stride, rows, starts, gate_up, down, act, out, E, H, I, max_rows,
                        num_threads, 1);
+}
+
+/* ---- the weighted sum of each token's expert outputs (combine in batchgen/model/layers/moe.py),
+ * read in place from the experts' sorted output rows ----
+ *
+ * y [P, H] (fp32 or bf16, BF), pos [T * k] (pair (t, j)'s row in y), w [T, k] fp32 -> out [T, H]
+ * fp32: out[t] = (...(y[pos[t k]] w[t, 0] + y[pos[t k + 1]] w[t, 1]) + ...), summed in slot order
+ * (a product and its sum may be one fused multiply-add, unlike the PyTorch combine's addcmul_: a
+ * token's sum is the same whatever the other tokens of its step) */
+static void moe_combine(const void *y, const int64_t *pos, const float *w, float *out, int64_t T,
+                        int64_t k, int64_t H, int num_threads, const int BF) {
+    const int64_t esz = BF ? 2 : 4;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * H;
+        for (int64_t j = 0; j < k; j++) {
+            const char *row = (const char *)y + pos[t * k + j] * H * esz;
+            const float wj = w[t * k + j];
+            const v16 wv = (v16){0} + wj;
+            int64_t c = 0;
+            for (; c + 16 <= H; c += 16) {
+                const v16 p = load16_any(row, c, BF) * wv;
+                store16(o + c, j == 0 ? p : load16(o + c) + p);
+            }
+            for (; c < H; c++) {
+                const float p = load1_any(row, c, BF) * wj;
+                o[c] = j == 0 ? p : o[c] + p;
+            }
+        }
+    }
+}
+
+void moe_combine_f32(const float *y, const int64_t *pos, const float *w, float *out, int64_t T,
+                     int64_t k, int64_t H, int num_threads) {
+    moe_combine(y, pos, w, out, T, k, H, num_threads, 0);
+}
+
+void moe_combine_bf16(const uint16_t *y, const int64_t *pos, const float *w, float *out,
+                      int64_t T, int64_t k, int64_t H, int num_threads) {
+    moe_combine(y, pos, w, out, T, k, H, num_threads, 1);
 }

@@ -42,7 +42,7 @@ from batchgen.model.layers.linear import OneDnnLinear, PackedLinear, pack_linear
 from batchgen.model.onednn_linear import OneDnn
 from batchgen.model.packed_linear import Mkl
 
-__all__ = ["CPU_KERNEL_ROWS", "FusedExperts", "experts_reference", "route", "sort_by_expert"]
+__all__ = ["CPU_KERNEL_ROWS", "CPU_KERNEL_ROWS_DPBF16", "FusedExperts", "experts_reference", "route", "sort_by_expert"]
 
 # On the CPU, an expert with at most this many pairs in a step runs in the C kernel (a stream
 # over its weights), one with more as GEMMs (which reuse each weight across rows better).
@@ -50,6 +50,12 @@ __all__ = ["CPU_KERNEL_ROWS", "FusedExperts", "experts_reference", "route", "sor
 # AVX512-BF16): with every expert in the kernel it was 1.4-4.4x faster than the GEMMs at 1-2
 # pairs per expert and 0.7-0.8x at 16-64.
 CPU_KERNEL_ROWS = 8
+# The same limit for bf16 where the kernel's dot products are AVX512-BF16 instructions over 4
+# weight rows x 4 pairs at a time. Measured at that shape, 2 threads (AMD EPYC Zen 5, bf16, 128
+# experts, top 8, every expert's pairs in the kernel against torch's GEMMs): 1024 pairs (8 per
+# expert) 40 against 54 ms with the limit at 8; 2048 pairs 55 against 92 ms; 8192 pairs 141
+# against 146 ms; 32,768 pairs (256 per expert) 518 against 450 ms, so GEMMs from 64 up.
+CPU_KERNEL_ROWS_DPBF16 = 64
 
 
 def route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -167,12 +173,13 @@ class FusedExperts(nn.Module):
 
             return combine(fused_moe(x, self.gate_up_proj, self.down_proj, ids), weights)
         if self.cpu is not None and self.packed is None:
-            return combine(self._pairs_cpu(x, ids), weights)
+            return self._combined_cpu(x, weights, ids)
         return combine(self._pairs_torch(x, ids), weights)
 
-    def _pairs_cpu(self, x: Tensor, ids: Tensor) -> Tensor:
-        """:meth:`_pairs_torch` with the experts that have at most :data:`CPU_KERNEL_ROWS` pairs
-        in the C kernel (one call), the others as GEMMs."""
+    def _combined_cpu(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """:meth:`forward` with the experts that have at most :meth:`kernel_rows` pairs in the C
+        kernel (one call), the others as GEMMs, and the combine in C, reading each pair's output
+        where its expert wrote it (no scatter back to (token, slot) order, no fp32 copy)."""
         k = ids.shape[1]
         order, counts = sort_by_expert(ids, self.num_experts)
         starts = counts.new_zeros(self.num_experts + 1)
@@ -180,18 +187,23 @@ class FusedExperts(nn.Module):
         rows = order // k  # pair i's token row, sorted by expert
         x = x.contiguous()
         out = x.new_empty(order.shape[0], self.hidden)  # [P, H], sorted like rows
-        self.cpu.moe_experts(
-            x, rows, starts, self.gate_up_proj, self.down_proj, out, CPU_KERNEL_ROWS
-        )
-        big = (counts > CPU_KERNEL_ROWS).nonzero().flatten().tolist()
+        limit = self.kernel_rows(x.dtype)
+        self.cpu.moe_experts(x, rows, starts, self.gate_up_proj, self.down_proj, out, limit)
+        big = (counts > limit).nonzero().flatten().tolist()
         if big:
             at = starts.tolist()
             for e in big:
                 seg = x.index_select(0, rows[at[e] : at[e + 1]])
                 self._expert(e, seg, out[at[e] : at[e + 1]])
-        pair_out = torch.empty_like(out)
-        pair_out[order] = out  # back to (token, slot) order
-        return pair_out
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.shape[0])  # pair (t, j)'s row of out
+        return self.cpu.moe_combine(out, pos, weights.contiguous())
+
+    def kernel_rows(self, dtype: torch.dtype) -> int:
+        """The most pairs an expert may have in a step to run in the C kernel."""
+        assert self.cpu is not None
+        dp = dtype == torch.bfloat16 and self.cpu.avx512bf16
+        return CPU_KERNEL_ROWS_DPBF16 if dp else CPU_KERNEL_ROWS
 
     def _pairs_torch(self, x: Tensor, ids: Tensor) -> Tensor:
         """x ``[T, H]``, ids ``[T, k]`` -> each pair's expert output ``[T * k, H]`` in x's dtype,
