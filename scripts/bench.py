@@ -75,6 +75,7 @@ Only the standard library is imported at module level, so the worker needs no ba
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -1909,7 +1910,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Session:
     """What every workload of one bench run shares: the arguments, the models and their
     tokenizers, the dtypes to run, vLLM's and OpenVINO's state, the matmul rates measured between
-    runs, and the one transformers model kept in memory."""
+    runs."""
 
     args: argparse.Namespace
     out: Path
@@ -1925,7 +1926,6 @@ class Session:
     openvino_problem: str | None
     rates: list[dict[str, dict[str, float]]]
     hf_dtypes: list[str] = field(default_factory=list)
-    hf_runner: tuple[str, str, HFRunner] | None = None  # (model name, dtype, runner)
     # model name -> its OpenVINO IR folder, or why there is none (exported on first use)
     openvino_models: dict[str, tuple[Path | None, str | None]] = field(default_factory=dict)
 
@@ -2003,7 +2003,6 @@ def main() -> None:
     )
     copy_bw = measure_copy_bandwidth() if "M" in names else None
     results = [bench_workload(session, name) for name in names]
-    session.hf_runner = None
 
     mm = _mm_summary(session.rates, threads)
     for r in results:
@@ -2107,12 +2106,11 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
         session.rates.append(measure_mm_rates())
     hf_runs: dict[str, list[dict]] = {}
     for d in session.hf_dtypes if want_hf else []:
-        runner = session.hf_runner
-        if runner is None or runner[:2] != (w.model, d):
-            session.hf_runner = None  # one HF model in memory at a time
-            runner = session.hf_runner = (w.model, d, HFRunner(model, d, args.hf_experts))
+        # loaded per workload and dtype, and dropped before the peers run (vLLM sizes its KV
+        # cache from the memory left: 6 GB of M's weights held here made it fail)
+        runner = HFRunner(model, d, args.hf_experts)
         for k in range(args.repeat):
-            run = runner[2].run(w, args)
+            run = runner.run(w, args)
             hf_runs.setdefault(d, []).append(run)
             experts = f", experts {run['experts']}" if run["experts"] else ""
             print(
@@ -2120,6 +2118,8 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
                 f"({run['elapsed_s']:.1f}s)",
                 flush=True,
             )
+        del runner
+        gc.collect()
     vl = {} if args.no_vllm else _vllm_runs(session, w, model, data)
     ov_skipped = args.no_openvino or w.name not in OPENVINO_WORKLOADS
     if not args.no_openvino and w.name not in OPENVINO_WORKLOADS:
