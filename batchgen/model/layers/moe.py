@@ -17,10 +17,12 @@ summed in slot order (so a token's result does not depend on which other tokens 
 step, up to the GEMMs' rounding for other row counts).
 
 - CPU with the C kernels (:meth:`batchgen.model.cpu_kernels.CpuKernels.moe_experts`): the
-  experts with few pairs (:data:`CPU_KERNEL_ROWS`; in decode steps usually all) in one call:
-  a task is 16 weight rows of one expert, so each selected expert's weights are streamed once
-  (``F.linear`` on a few rows of a stacked expert weight ran at a few GB/s); the experts with
-  more pairs (prefill chunks) as GEMMs on the stacked weights.
+  experts with few pairs (:meth:`FusedExperts.kernel_rows`; in decode steps usually all) in one
+  call: a task is 16 weight rows of one expert, so each selected expert's weights are streamed
+  once (``F.linear`` on a few rows of a stacked expert weight ran at a few GB/s); the experts
+  with more pairs (prefill chunks) as GEMMs on the stacked weights; then the combine in C
+  (:meth:`~batchgen.model.cpu_kernels.CpuKernels.moe_combine`), each pair's output read where
+  its expert wrote it.
 - CPU without them (and any device without Triton): PyTorch GEMMs, a Python loop over the
   experts that have pairs (at most ``num_experts`` iterations per layer, whatever the token
   count); in fp32 with MKL, each expert's two weights are packed once at load
