@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void qk_v16(const float *qs, const 
         for (int jj = 0; jj < KPC; jj++) {
             /* past the last key: reread it (the lanes are dropped below) */
             const int64_t kp = key_off[j0 + jj < n ? j0 + jj : n - 1];
-            v16 kv[D / 16];
+            v16 kv[16]; /* D / 16 used; fixed sizes throughout: a VLA stays in memory */
             for (int c = 0; c < D / 16; c++) kv[c] = load16_kv(k_base, kp + 16 * c, BF, I8);
             for (int g = 0; g < G; g++) {
                 v16 s = load16(qs + g * D) * kv[0];
@@ -108,10 +108,10 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q_h,
                                                             const int G, const int D,
                                                             float *scores) {
     const int KPC = 16 / G;
-    __m512bh qv[G][D / 32];
+    __m512bh qv[32]; /* [G][D / 32], G * D <= 1024 */
     for (int g = 0; g < G; g++)
         for (int c = 0; c < D / 32; c++)
-            qv[g][c] = (__m512bh)_mm512_loadu_si512(q_h + g * D + 32 * c);
+            qv[g * (D / 32) + c] = (__m512bh)_mm512_loadu_si512(q_h + g * D + 32 * c);
     for (int j0 = 0; j0 < n; j0 += KPC) {
         v16 acc[16];
         for (int i = KPC * G; i < 16; i++) acc[i] = (v16){0};
@@ -121,11 +121,12 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q_h,
         }
         for (int jj = 0; jj < KPC; jj++) {
             const uint16_t *kp = k_base + key_off[j0 + jj < n ? j0 + jj : n - 1];
-            __m512bh kv[D / 32];
+            __m512bh kv[8];
             for (int c = 0; c < D / 32; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
             for (int g = 0; g < G; g++) {
-                __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-                for (int c = 1; c < D / 32; c++) s = _mm512_dpbf16_ps(s, qv[g][c], kv[c]);
+                const __m512bh *qg = qv + g * (D / 32);
+                __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qg[0], kv[0]);
+                for (int c = 1; c < D / 32; c++) s = _mm512_dpbf16_ps(s, qg[c], kv[c]);
                 acc[jj * G + g] = (v16)s;
             }
         }
@@ -145,23 +146,22 @@ static inline __attribute__((always_inline)) void pv_v16(const float *scores, co
                                                          const float *vs, const int64_t *key_off,
                                                          int n, const int G, const int D,
                                                          const int BF, const int I8, float *out) {
-    v16 o[G][D / 16];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < D / 16; c++) o[g][c] = (v16){0};
+    v16 o[64]; /* [G][D / 16], G * D <= 1024 */
+    for (int i = 0; i < G * (D / 16); i++) o[i] = (v16){0};
     for (int j = 0; j < n; j++) {
         const int64_t vp = key_off[j];
         prefetch_row(at_kv(v_base, key_off[j + PREFETCH < n ? j + PREFETCH : n - 1], BF, I8), D,
                      BF, I8);
-        v16 vv[D / 16];
+        v16 vv[16];
         for (int c = 0; c < D / 16; c++) vv[c] = load16_kv(v_base, vp + 16 * c, BF, I8);
         const float sv = I8 ? vs[vp / D] : 1.0f;
         for (int g = 0; g < G; g++) {
             const float p = I8 ? scores[g * n + j] * sv : scores[g * n + j];
-            for (int c = 0; c < D / 16; c++) o[g][c] += p * vv[c];
+            for (int c = 0; c < D / 16; c++) o[g * (D / 16) + c] += p * vv[c];
         }
     }
     for (int g = 0; g < G; g++)
-        for (int c = 0; c < D / 16; c++) store16(out + g * D + 16 * c, o[g][c]);
+        for (int c = 0; c < D / 16; c++) store16(out + g * D + 16 * c, o[g * (D / 16) + c]);
 }
 
 /* One query token of one (sequence, KV head): G rows of q against n keys whose rows start at
