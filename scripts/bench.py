@@ -1697,7 +1697,8 @@ def format_moe(r: dict) -> str:
     m = r["moe"]
     lines = [
         f"{r['name']} (MoE): batchgen {short(r['batchgen_auto_dtype'])} over HF generate "
-        f"{short(m.get('hf_dtype'))} (its fastest dtype here): {fmt(m['vs_hf'], '.1f')}x (goal {fmt(m['hf_goal'], '.0f')}x); measured copy bandwidth "
+        f"{short(m.get('hf_dtype'))} (its fastest dtype here): {fmt(m['vs_hf'], '.1f')}x "
+        f"(goal {fmt(m['hf_goal'], '.0f')}x); measured copy bandwidth "
         f"{m['copy_bandwidth'] / 1e9:.1f} GB/s"
     ]
     for d, f in m["bandwidth_floor"].items():
@@ -2150,7 +2151,6 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
         "openvino_users_dtype": session.vllm_users,
         "openvino_skipped": ov_skipped,
         "openvino": ov,
-        "hf_skipped": not want_hf,
         "hf": hf,
         "hf_runs": hf_runs,
         "profile": _profile_run(session, w, model, data) if args.profile else None,

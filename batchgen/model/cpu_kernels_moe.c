@@ -129,16 +129,17 @@ static inline __attribute__((always_inline)) void moe_tile(const void *const *xs
     float r[MOE_TILE];
     int j = 0;
 #if defined(__AVX512BF16__)
+    /* tiles of 4 or 8 pairs: 4 weight rows at a time, 4 pairs per pass (4 x 4 accumulators; a
+     * second pass reads the rows again from L1); tiles of 1-2 pairs keep the one-row loop below,
+     * whose single sequential stream over the rows measured faster there */
     if (BF && K % 32 == 0 && MT >= 4) {
-        /* at most 4 pairs per pass: 4 x 4 accumulators, the weight rows again from L1 */
-        const int M1 = MT < 4 ? MT : 4, M2 = MT - M1;
         for (; j + 4 <= nn; j += 4) {
             const char *wg = w0 + j * row, *wu = w0 + up + j * row;
-            moe_dots4(xs, wg, row, K, M1, g, j, wg + 4 * row);
-            if (M2 > 0) moe_dots4(xs + M1, wg, row, K, M2, g + M1, j, NULL);
+            moe_dots4(xs, wg, row, K, 4, g, j, wg + 4 * row);
+            if (MT > 4) moe_dots4(xs + 4, wg, row, K, MT - 4, g + 4, j, NULL);
             if (!gate_pass) continue;
-            moe_dots4(xs, wu, row, K, M1, u, j, wu + 4 * row);
-            if (M2 > 0) moe_dots4(xs + M1, wu, row, K, M2, u + M1, j, NULL);
+            moe_dots4(xs, wu, row, K, 4, u, j, wu + 4 * row);
+            if (MT > 4) moe_dots4(xs + 4, wu, row, K, MT - 4, u + 4, j, NULL);
         }
     }
 #endif

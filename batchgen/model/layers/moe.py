@@ -44,7 +44,14 @@ from batchgen.model.layers.linear import OneDnnLinear, PackedLinear, pack_linear
 from batchgen.model.onednn_linear import OneDnn
 from batchgen.model.packed_linear import Mkl
 
-__all__ = ["CPU_KERNEL_ROWS", "CPU_KERNEL_ROWS_DPBF16", "FusedExperts", "experts_reference", "route", "sort_by_expert"]
+__all__ = [
+    "CPU_KERNEL_ROWS",
+    "CPU_KERNEL_ROWS_DPBF16",
+    "FusedExperts",
+    "experts_reference",
+    "route",
+    "sort_by_expert",
+]
 
 # On the CPU, an expert with at most this many pairs in a step runs in the C kernel (a stream
 # over its weights), one with more as GEMMs (which reuse each weight across rows better).
