@@ -1,10 +1,12 @@
 """GEMM speed of the linear layers at the engine's step shapes: oneDNN-packed bf16
-(batchgen/model/onednn_linear.py) vs ``F.linear`` bf16, and MKL-packed fp32
-(batchgen/model/packed_linear.py) for reference, on the benchmark model's layers and a
-Qwen2.5-0.5B-class model's.
+(batchgen/model/onednn_linear.py) and the C kernels' AVX512-BF16 GEMM
+(batchgen/model/dpbf16_linear.py, where the CPU has AVX512-BF16) vs ``F.linear`` bf16, and
+MKL-packed fp32 (batchgen/model/packed_linear.py) for reference, on the benchmark model's
+layers, a Qwen2.5-0.5B-class model's and SmolLM2-135M's.
 
-    python scripts/bench_gemm.py [--threads 2] [--models bench,qwen] [--ms 1,8,64]
-                                 [--hints] [--invariance] [--json bench-out/gemm.json]
+    python scripts/bench_gemm.py [--threads 2] [--models bench,qwen,smollm2] [--ms 1,8,64]
+                                 [--hints] [--invariance] [--stream 30]
+                                 [--json bench-out/gemm.json]
 
 - the table: GFLOP/s per layer and row count M, of the product and of the residual form
   ``x += h @ W^T`` (``Linear.add_``: ``addmm_``; ``OneDnnLinear.add_``: the fused add), best of
@@ -12,6 +14,9 @@ Qwen2.5-0.5B-class model's.
   exceed ``--max-out`` elements (the LM head only ever sees one row per sequence);
 - ``--hints``: the packed bf16 GEMM with the weight reordered for different row counts (the
   batch-size hint of ``_reorder_linear_weight``), including the exact M;
+- ``--stream L``: a whole model's projections as a step runs them (qkv, o, gate_up, down of L
+  layers, every layer's weights distinct: read from memory, not cache, when they exceed it),
+  oneDNN-packed against the AVX512-BF16 GEMM, milliseconds per pass and their ratio per M;
 - ``--invariance``: for each layer, the row counts M at which the first rows of a product
   differ (bitwise) from the same rows computed one at a time, packed and ``F.linear``; and how
   often an output differs from ``(x.float() @ w.float().t()).bfloat16()`` (one rounding of an
@@ -33,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchgen.model import onednn_linear, packed_linear
+from batchgen.model import cpu_kernels, dpbf16_linear, onednn_linear, packed_linear
 
 # (layer, out_features N, in_features K, bias)
 MODELS: dict[str, list[tuple[str, int, int, bool]]] = {
@@ -50,6 +55,13 @@ MODELS: dict[str, list[tuple[str, int, int, bool]]] = {
         ("gate_up", 9728, 896, False),
         ("down", 896, 4864, False),
         ("lm_head", 151936, 896, False),
+    ],
+    "smollm2": [  # SmolLM2-135M: hidden 576, 9:3 heads of 64, intermediate 1536, vocab 49152
+        ("qkv", 960, 576, False),
+        ("o", 576, 576, False),
+        ("gate_up", 3072, 576, False),
+        ("down", 576, 1536, False),
+        ("lm_head", 49152, 576, False),
     ],
 }
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
@@ -92,18 +104,25 @@ def packed_add_(onednn: onednn_linear.OneDnn, res: Tensor, x: Tensor, packed: Te
     return res.copy_(onednn.linear_add(x, res, packed, None))
 
 
+def dpbf16() -> dpbf16_linear.Dpbf16 | None:
+    """The AVX512-BF16 GEMM, or None where the CPU or the kernels' build lacks it."""
+    return dpbf16_linear.for_dtype(torch.device("cpu"), torch.bfloat16, cpu_kernels.load())
+
+
 def table(models: list[str], ms: list[int], max_out: int, budget: float) -> list[dict]:
     onednn = onednn_linear.load()
     mkl = packed_linear.load()
+    dot = dpbf16()
     rows = []
     print(f"{'layer':>16} {'N':>6} {'K':>5} {'M':>5}  F.linear bf16  packed bf16  ratio  "
-          "MKL fp32  addmm_ bf16  packed add_")  # fmt: skip
+          "MKL fp32  addmm_ bf16  packed add_  dpbf16 bf16")  # fmt: skip
     for model in models:
         for name, n, k, bias in MODELS[model]:
             w, b = layer(n, k, bias, seed=n + k)
             packed = onednn.pack(w) if onednn else None
             w32, b32 = w.float(), None if b is None else b.float()
             p32 = packed_linear.pack(mkl, w32) if mkl else None
+            pdot = dot.pack(w) if dot else None
             for m in ms:
                 if m * n > max_out:
                     continue
@@ -126,13 +145,55 @@ def table(models: list[str], ms: list[int], max_out: int, budget: float) -> list
                 if onednn is not None and packed is not None:
                     secs = best_seconds(partial(packed_add_, onednn, res, x, packed), budget)
                     fast_add = gflops(m, n, k, secs)
+                dot_gf = float("nan")
+                if dot is not None and pdot is not None:
+                    secs = best_seconds(partial(dot.linear, x, pdot, n, b), budget)
+                    dot_gf = gflops(m, n, k, secs)
                 row = dict(model=model, layer=name, n=n, k=k, m=m, flinear_bf16=plain,
                            packed_bf16=fast, mkl_fp32=ref, addmm_bf16=plain_add,
-                           packed_add_bf16=fast_add)  # fmt: skip
+                           packed_add_bf16=fast_add, dpbf16_bf16=dot_gf)  # fmt: skip
                 rows.append(row)
                 print(f"{model + ' ' + name:>16} {n:>6} {k:>5} {m:>5}  {plain:>13.0f}  "
                       f"{fast:>11.0f}  {fast / plain:>5.2f}  {ref:>8.0f}  {plain_add:>10.0f}  "
-                      f"{fast_add:>10.0f}", flush=True)  # fmt: skip
+                      f"{fast_add:>10.0f}  {dot_gf:>11.0f}", flush=True)  # fmt: skip
+    return rows
+
+
+def stream(models: list[str], ms: list[int], layers: int, budget: float) -> list[dict]:
+    """Milliseconds per pass over ``layers`` layers' projections (distinct weights per layer),
+    oneDNN-packed and AVX512-BF16, per M."""
+    onednn, dot = onednn_linear.load(), dpbf16()
+    assert onednn is not None and dot is not None, "needs oneDNN bf16 and the AVX512-BF16 GEMM"
+    rows = []
+    print(f"\nwhole passes over {layers} layers' projections (weights read from memory): "
+          "ms per pass")  # fmt: skip
+    print(f"{'model':>10} {'M':>5}  {'oneDNN':>8}  {'dpbf16':>8}  ratio  dpbf16 GFLOP/s")
+    for model in models:
+        shapes = [(n, k) for name, n, k, _ in MODELS[model] if name != "lm_head"]
+        weights = [[layer(n, k, False, seed=i * 8 + j)[0] for j, (n, k) in enumerate(shapes)]
+                   for i in range(layers)]  # fmt: skip
+        by_onednn = [[onednn.pack(w) for w in ws] for ws in weights]
+        by_dot = [[dot.pack(w) for w in ws] for ws in weights]
+        del weights
+        flops_per_row = 2 * layers * sum(n * k for n, k in shapes)
+        for m in ms:
+            xs = [torch.randn(m, k).bfloat16() for _, k in shapes]
+
+            def run_onednn(xs: list[Tensor] = xs, packs: list = by_onednn) -> None:
+                for layer_packs in packs:
+                    for x, p in zip(xs, layer_packs, strict=True):
+                        onednn.linear(x, p, None)
+
+            def run_dot(xs: list[Tensor] = xs, packs: list = by_dot, shapes=shapes) -> None:
+                for layer_packs in packs:
+                    for x, p, (n, _) in zip(xs, layer_packs, shapes, strict=True):
+                        dot.linear(x, p, n, None)
+
+            a = best_seconds(run_onednn, budget * 5, max_reps=10)
+            d = best_seconds(run_dot, budget * 5, max_reps=10)
+            rows.append(dict(model=model, m=m, layers=layers, onednn_ms=a * 1e3, dpbf16_ms=d * 1e3))
+            print(f"{model:>10} {m:>5}  {a * 1e3:>8.2f}  {d * 1e3:>8.2f}  {a / d:>5.2f}  "
+                  f"{flops_per_row * m / d / 1e9:>8.0f}", flush=True)  # fmt: skip
     return rows
 
 
@@ -222,6 +283,7 @@ def main() -> None:
     ap.add_argument("--no-table", action="store_true")
     ap.add_argument("--hints", action="store_true")
     ap.add_argument("--invariance", action="store_true")
+    ap.add_argument("--stream", type=int, default=0, metavar="L", help="layers per pass")
     ap.add_argument("--budget", type=float, default=0.2, help="seconds of calls per cell")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -231,13 +293,16 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"oneDNN bf16 packing: {onednn_linear.load() is not None}, "
-          f"MKL fp32 packing: {packed_linear.load() is not None}")  # fmt: skip
+          f"MKL fp32 packing: {packed_linear.load() is not None}, "
+          f"AVX512-BF16 GEMM: {dpbf16() is not None}")  # fmt: skip
     result: dict = {}
     with torch.inference_mode():
         if not args.no_table:
             result["table"] = table(models, ms, args.max_out, args.budget)
         if args.hints:
             result["hints"] = hints(models, ms, args.max_out, args.budget)
+        if args.stream:
+            result["stream"] = stream(models, ms, args.stream, args.budget)
         if args.invariance:
             result["invariance"] = invariance(models, ms, args.max_out)
     if args.json:

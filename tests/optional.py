@@ -9,7 +9,8 @@ half the suite. A machine that truly lacks one opts out by naming it in
 ``BATCHGEN_TEST_ALLOW_MISSING`` (comma-separated, or ``all``); then those tests skip, and the
 session summary (tests/conftest.py) says which paths ran. CUDA is never required: GPU tests
 skip without one, by name; likewise oneDNN's bf16 GEMM needs a CPU that oneDNN runs bf16 on
-(AVX-512 or newer), so its tests skip on an AVX2-only CPU and fail only where the CPU has it.
+(AVX-512 or newer), so its tests skip on an AVX2-only CPU and fail only where the CPU has it, and
+the C kernels' AVX512-BF16 GEMM is for CPUs with AVX512-BF16 and no AMX (skipped elsewhere).
 """
 
 from __future__ import annotations
@@ -42,6 +43,22 @@ def _onednn() -> bool:
     from batchgen.model import onednn_linear
 
     return onednn_linear.for_dtype(torch.device("cpu"), torch.bfloat16) is not None
+
+
+def _dpbf16() -> bool:
+    import torch
+
+    from batchgen.model import cpu_kernels, dpbf16_linear
+
+    kernels = cpu_kernels.load()
+    return dpbf16_linear.for_dtype(torch.device("cpu"), torch.bfloat16, kernels) is not None
+
+
+def _dpbf16_cpu() -> bool:
+    """AVX512-BF16 without AMX: the CPUs batchgen's own bf16 GEMM is for."""
+    from batchgen.model.cpu_features import bf16_support
+
+    return bf16_support().features == ("AVX512-BF16",)
 
 
 def _ray() -> bool:
@@ -83,6 +100,7 @@ PATHS = {
     "cpu_kernels": ("the C kernels of batchgen/model/cpu_kernels.c", _cpu_kernels),
     "mkl": ("MKL pre-packed GEMM weights", _mkl),
     "onednn": ("oneDNN pre-packed bf16 GEMM weights", _onednn),
+    "dpbf16": ("the C kernels' AVX512-BF16 GEMM (CPUs without AMX)", _dpbf16),
     "ray": ("the Ray executor", _ray),
     "cuda": ("a CUDA GPU", _cuda),
     "native_bf16": ("native bf16 matrix instructions (AMX or AVX512-BF16)", _native_bf16),
@@ -97,7 +115,7 @@ def available(name: str) -> bool:
 
 # Paths that need hardware a machine may simply not have: where the hardware test is False,
 # their tests skip (by name) instead of failing.
-HARDWARE = {"cuda": _cuda, "onednn": _onednn_bf16_cpu}
+HARDWARE = {"cuda": _cuda, "onednn": _onednn_bf16_cpu, "dpbf16": _dpbf16_cpu}
 
 
 def allowed_missing() -> set[str]:

@@ -629,10 +629,11 @@ def test_layer_implementations_are_chosen_at_load(
     native: bool, dtype: torch.dtype, model_dirs: dict[str, Path]
 ) -> None:
     """Each layer is built with its implementation: on a CPU the C kernels (fp32 and bf16) with
-    MKL-packed GEMMs in fp32 and oneDNN-packed ones in bf16; without them torch's fused RMSNorm in
-    fp32 and the HF formula in half precision."""
+    MKL-packed GEMMs in fp32 and AVX512-BF16 or oneDNN-packed ones in bf16; without them
+    torch's fused RMSNorm in fp32 and the HF formula in half precision."""
+    from batchgen.model.dpbf16_linear import Dpbf16
     from batchgen.model.layers.activation import CpuSiluMul, silu_mul_
-    from batchgen.model.layers.linear import Linear, OneDnnLinear, PackedLinear
+    from batchgen.model.layers.linear import Dpbf16Linear, Linear, OneDnnLinear, PackedLinear
     from batchgen.model.layers.norm import CpuRMSNorm, FusedRMSNorm, RMSNorm
     from batchgen.model.layers.rotary import CpuRope, rope_
 
@@ -645,6 +646,8 @@ def test_layer_implementations_are_chosen_at_load(
     assert all(type(n) is norm_type for n in norms)
     assert isinstance(attn.rope_, CpuRope) if native else attn.rope_ is rope_
     assert isinstance(mlp.silu_mul_, CpuSiluMul) if native else mlp.silu_mul_ is silu_mul_
-    # load() required MKL (fp32); bf16: oneDNN
-    packed = (PackedLinear if dtype == torch.float32 else OneDnnLinear) if native else Linear
+    # load() required MKL (fp32); bf16: the AVX512-BF16 GEMM where the CPU has it and no AMX,
+    # else oneDNN
+    bf16_layer = Dpbf16Linear if isinstance(model.layer_backend.gemm, Dpbf16) else OneDnnLinear
+    packed = (PackedLinear if dtype == torch.float32 else bf16_layer) if native else Linear
     assert type(attn.qkv_proj) is packed

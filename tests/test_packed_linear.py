@@ -1,6 +1,8 @@
 """Pre-packed weights against F.linear, and the fallbacks: MKL's packed sgemm on CPU fp32
-(batchgen.model.packed_linear, layers.linear.PackedLinear) and oneDNN's packed inner product on
-CPU bf16 (batchgen.model.onednn_linear, layers.linear.OneDnnLinear)."""
+(batchgen.model.packed_linear, layers.linear.PackedLinear), oneDNN's packed inner product on
+CPU bf16 (batchgen.model.onednn_linear, layers.linear.OneDnnLinear) and the C kernels'
+AVX512-BF16 GEMM on CPU bf16 without AMX (batchgen.model.dpbf16_linear,
+layers.linear.Dpbf16Linear; its C kernel against the fp32 sum over many shapes)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchgen.model import onednn_linear, packed_linear
+from batchgen.model import cpu_kernels, dpbf16_linear, onednn_linear, packed_linear
+from batchgen.model.dpbf16_linear import Dpbf16
 from batchgen.model.layers.linear import (
+    Dpbf16Linear,
     Linear,
     OneDnnLinear,
     PackedLinear,
     pack_linear,
     pack_linears_,
 )
+from batchgen.model.layers.linear import Gemm as AnyGemm
 from batchgen.model.once import Once
 from batchgen.model.onednn_linear import OneDnn
 from batchgen.model.packed_linear import Mkl
@@ -34,9 +39,12 @@ CPU = torch.device("cpu")
 class Gemm:
     """A packed GEMM, the dtype it serves and the layer type holding its weights."""
 
-    gemm: Mkl | OneDnn
+    gemm: AnyGemm
     dtype: torch.dtype
     layer: type[nn.Module]
+
+
+LAYERS = {Mkl: PackedLinear, OneDnn: OneDnnLinear, Dpbf16: Dpbf16Linear}
 
 
 def find(kind: str) -> Gemm:
@@ -46,19 +54,47 @@ def find(kind: str) -> Gemm:
         mkl = packed_linear.for_dtype(CPU, torch.float32)
         assert mkl is not None
         return Gemm(mkl, torch.float32, PackedLinear)
+    if kind == "dpbf16":
+        dpbf16 = dpbf16_linear.for_dtype(CPU, torch.bfloat16, cpu_kernels.load())
+        assert dpbf16 is not None
+        return Gemm(dpbf16, torch.bfloat16, Dpbf16Linear)
     onednn = onednn_linear.for_dtype(CPU, torch.bfloat16)
     assert onednn is not None
     return Gemm(onednn, torch.bfloat16, OneDnnLinear)
 
 
-@pytest.fixture(params=["mkl", "onednn"])
+def chosen(dtype: torch.dtype) -> Gemm:
+    """The packed GEMM an engine's plan picks here for ``dtype`` (fp32: MKL; bf16: the
+    AVX512-BF16 GEMM on CPUs with it and no AMX, else oneDNN)."""
+    from batchgen.engine.backends import choose_backends
+
+    if dtype == torch.float32:
+        require("mkl")
+    elif dpbf16_linear.for_dtype(CPU, dtype, cpu_kernels.load()) is None:
+        require("onednn")
+    g = choose_backends(CPU, dtype, "torch").layers.gemm
+    assert g is not None
+    return Gemm(g, dtype, LAYERS[type(g)])
+
+
+@pytest.fixture(params=["mkl", "onednn", "dpbf16"])
 def gemm(request: pytest.FixtureRequest) -> Gemm:
+    return find(request.param)
+
+
+@pytest.fixture(params=["onednn", "dpbf16"])
+def bf16_gemm(request: pytest.FixtureRequest) -> Gemm:
     return find(request.param)
 
 
 @pytest.fixture
 def onednn() -> Gemm:
     return find("onednn")
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def engine_gemm(request: pytest.FixtureRequest) -> Gemm:
+    return chosen(request.param)
 
 
 def make_linear(
@@ -112,14 +148,14 @@ def test_linear_matches_f_linear(gemm: Gemm, rows: int, bias: bool, n_in: int, n
 
 @pytest.mark.parametrize("rows", [1, 8, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_is_rounded_once_from_fp32(onednn: Gemm, rows: int, bias: bool) -> None:
+def test_bf16_is_rounded_once_from_fp32(bf16_gemm: Gemm, rows: int, bias: bool) -> None:
     """Every output is the fp32 sum rounded to bf16 once: within one bf16 place of the exact
     sum (plus fp32 order effects), and equal to ``(h.float() @ w.float().t()).bfloat16()``
     but for rare last-bit differences (fp32 sums in another order landing on the other side of
     a bf16 rounding boundary). A bf16 accumulator, or rounding twice, fails this."""
     layer, _ = make_linear(896, 1152, bias, seed=rows, dtype=torch.bfloat16)
     w, b = layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
-    p = packed(layer, onednn)
+    p = packed(layer, bf16_gemm)
     h = torch.randn(rows, 896, dtype=torch.bfloat16)
     got = p(h).float()
     exact = fp32_reference(h, w, b)
@@ -170,13 +206,13 @@ def test_add_in_place_from_a_column_slice(gemm: Gemm, bias: bool) -> None:
 
 @pytest.mark.parametrize("rows", [1, 5, 64, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_residual_add_is_rounded_once(onednn: Gemm, rows: int, bias: bool) -> None:
+def test_bf16_residual_add_is_rounded_once(bf16_gemm: Gemm, rows: int, bias: bool) -> None:
     """The fused residual ``x + h W^T + b`` is rounded once, from fp32: equal to the fp32 sum
     rounded but for rare last-bit differences (adding a separately rounded product would
     differ far more often), and within rounding of ``Linear.add_``."""
     layer, ref = make_linear(1536, 512, bias, seed=rows, dtype=torch.bfloat16)
     plain, _ = make_linear(1536, 512, bias, seed=rows, dtype=torch.bfloat16)
-    p = packed(layer, onednn)
+    p = packed(layer, bf16_gemm)
     h = torch.randn(rows, 1536, dtype=torch.bfloat16)
     x = torch.randn(rows, 512, dtype=torch.bfloat16) * 4
     product = fp32_reference(h, ref.weight, ref.bias)
@@ -280,9 +316,10 @@ def load_tiny(folder: Path, dtype: torch.dtype, tied: bool):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_model_weights_are_packed(gemm: Gemm, tied: bool, tmp_path: Path) -> None:
+def test_model_weights_are_packed(engine_gemm: Gemm, tied: bool, tmp_path: Path) -> None:
     """load_model packs every projection and the LM head, tied to the embedding or not (a tied
     head gets its own packed copy); no plain projection weight is left."""
+    gemm = engine_gemm
     model = load_tiny(tmp_path / "model", gemm.dtype, tied)
     assert model.layer_backend.gemm is gemm.gemm
     assert not [m for m in model.modules() if isinstance(m, nn.Linear)]
@@ -304,22 +341,26 @@ def test_bf16_model_unpacked_when_disabled(
     fresh_lookups(monkeypatch)
     model = load_tiny(tmp_path / "model", torch.bfloat16, tied=False)
     assert model.layer_backend.gemm is None
-    assert not [m for m in model.modules() if isinstance(m, OneDnnLinear | PackedLinear)]
+    assert not [
+        m for m in model.modules() if isinstance(m, OneDnnLinear | PackedLinear | Dpbf16Linear)
+    ]
     assert type(model.layers[0].mlp.down_proj) is Linear and type(model.lm_head) is Linear
 
 
 def test_bf16_model_logits_packed_match_unpacked(
-    onednn: Gemm, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The whole bf16 model, oneDNN-packed vs F.linear: the same logits up to bf16 rounding."""
+    """The whole bf16 model, packed (the GEMM the engine picks here) vs F.linear: the same
+    logits up to bf16 rounding."""
     from tests.test_model import run_paged
 
+    layer = chosen(torch.bfloat16).layer
     folder = tmp_path / "model"
     fast = load_tiny(folder, torch.bfloat16, tied=False)
     monkeypatch.setenv("BATCHGEN_PACK_WEIGHTS", "0")
     fresh_lookups(monkeypatch)
     plain = load_tiny(folder, torch.bfloat16, tied=False)
-    assert type(fast.lm_head) is OneDnnLinear and type(plain.lm_head) is Linear
+    assert type(fast.lm_head) is layer and type(plain.lm_head) is Linear
     gen = torch.Generator().manual_seed(0)
     vocab = fast.cfg.vocab_size
     seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (37, 12)]
@@ -346,3 +387,121 @@ def test_onednn_rows_are_padded_to_few_sizes() -> None:
     assert sizes == sorted(sizes)
     assert len(set(sizes)) <= 100
     assert all(padded_rows(s) == s for s in set(sizes))
+
+
+# ---- the C kernels' AVX512-BF16 GEMM (batchgen/model/cpu_kernels_gemm.c) ----
+
+
+@pytest.fixture
+def dpbf16() -> Dpbf16:
+    g = find("dpbf16").gemm
+    assert isinstance(g, Dpbf16)
+    return g
+
+
+def test_dpbf16_pack_layout() -> None:
+    """``[b, j, c, t] = W[16 b + c, 2 j + t]``, zero beyond W (pure PyTorch: runs anywhere)."""
+    w = torch.arange(19 * 5, dtype=torch.float32).view(19, 5).bfloat16()
+    p = dpbf16_linear.pack(w)
+    assert p.shape == (2, 3, 16, 2) and p.is_contiguous()
+    for b, j, c, t in [(0, 0, 0, 0), (0, 0, 0, 1), (0, 2, 15, 0), (1, 1, 2, 1), (1, 0, 2, 0)]:
+        assert p[b, j, c, t] == w[16 * b + c, 2 * j + t]
+    assert (p[0, 2, :, 1] == 0).all() and (p[1, :, 3:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "n,k",
+    [(1, 1), (5, 3), (16, 2), (17, 33), (48, 64), (83, 37), (100, 2048), (960, 576), (576, 1536)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_dpbf16_kernel_matches_the_fp32_sum(dpbf16: Dpbf16, n: int, k: int, bias: bool) -> None:
+    """Every shape class: outputs and inputs not multiples of the 16-output blocks or input
+    pairs (masked stores, the odd last input), tiles of 1-8 rows, panels of 1-3 blocks, more
+    rows than one pass over the weights takes (K = 2048: 256-row passes). Each output is the
+    fp32 sum plus bias plus residual rounded once: within one bf16 place plus fp32 order
+    effects of the exact sum, and mostly equal to it rounded."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    p = dpbf16.pack(w)
+    for m in (1, 2, 7, 8, 9, 23, 64, 300):
+        h = torch.randn(m, k, generator=gen).bfloat16()
+        x = torch.randn(m, n, generator=gen).bfloat16()
+        exact = fp32_reference(h, w, b)
+        bound = rounding_bound(h, w, exact)
+        got = dpbf16.linear(h, p, n, b).float()
+        assert ((got - exact).abs() <= bound).all(), (m, (got - exact).abs().max())
+        assert (got != exact.bfloat16().float()).float().mean().item() < 2e-2
+        added = dpbf16.linear_add_(x.clone(), h, p, b).float()
+        exact_add = exact + x.float()
+        bound_add = bound + 2**-7 * exact_add.abs()
+        assert ((added - exact_add).abs() <= bound_add).all(), m
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (83, 37), (576, 2048)])
+def test_dpbf16_rows_do_not_depend_on_the_rows_beside_them(dpbf16: Dpbf16, n: int, k: int) -> None:
+    """Bitwise: a row computed alone equals it computed among M rows, at any place in the call
+    (unlike oneDNN's, whose sum order changes with M)."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    p = dpbf16.pack(w)
+    x = torch.randn(600, k, generator=gen).bfloat16()
+    alone = torch.cat([dpbf16.linear(x[i : i + 1], p, n, None) for i in (0, 5, 299)])
+    for m in (6, 9, 64, 300, 600):
+        rows = dpbf16.linear(x[:m], p, n, None)
+        picks = [i for i in (0, 5, 299) if i < m]
+        assert torch.equal(rows[picks], alone[: len(picks)]), m
+
+
+def test_dpbf16_strided_rows_and_nan(dpbf16: Dpbf16) -> None:
+    """Rows of h and of the residual at a stride (column slices), and a NaN input stays NaN."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 24, generator=gen).bfloat16()
+    p = dpbf16.pack(w)
+    h = torch.randn(11, 60, generator=gen).bfloat16()[:, 10:34]
+    wide = torch.randn(11, 90, generator=gen).bfloat16()
+    x = wide[:, 5:45]
+    expected = (x.float() + fp32_reference(h, w, None)).bfloat16()
+    dpbf16.linear_add_(x, h, p, None)
+    torch.testing.assert_close(x, expected, rtol=2**-7, atol=1e-2)
+    assert torch.equal(wide[:, :5], wide[:, :5].clone())
+    h2 = h.contiguous()
+    h2[3, 7] = float("nan")
+    out = dpbf16.linear(h2, p, 40, None)
+    assert out[3].isnan().all() and not out[[0, 1, 2, 4]].isnan().any()
+
+
+def test_dpbf16_is_chosen_only_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's bf16 GEMM: this kernel where the CPU has AVX512-BF16 and no AMX and the
+    kernels were built with it; oneDNN (or nothing) on AMX CPUs, in the portable build, and where
+    its check fails."""
+    from batchgen.model.cpu_features import Bf16Support
+
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.gemm_dpbf16:
+        pytest.skip("the C kernels here have no AVX512-BF16 GEMM")
+    amx = Bf16Support(("AMX-BF16", "AVX512-BF16"))
+    monkeypatch.setattr(dpbf16_linear, "bf16_support", lambda: amx)
+    assert dpbf16_linear.for_dtype(CPU, torch.bfloat16, kernels) is None
+    monkeypatch.setattr(dpbf16_linear, "bf16_support", lambda: Bf16Support(("AVX512-BF16",)))
+    assert dpbf16_linear.for_dtype(CPU, torch.bfloat16, kernels) is not None
+    assert dpbf16_linear.for_dtype(CPU, torch.float32, kernels) is None
+    assert dpbf16_linear.for_dtype(torch.device("meta"), torch.bfloat16, kernels) is None
+    assert dpbf16_linear.for_dtype(CPU, torch.bfloat16, None) is None
+    portable = cpu_kernels.load(avx512bf16=False)
+    assert portable is not None and not portable.gemm_dpbf16
+    assert dpbf16_linear.for_dtype(CPU, torch.bfloat16, portable) is None
+    monkeypatch.setattr(dpbf16_linear, "_CHECKED", {})
+    monkeypatch.setattr(Dpbf16, "linear_add_", lambda self, x, h, w, b: x)  # drops h W^T
+    assert dpbf16_linear.for_dtype(CPU, torch.bfloat16, kernels) is None
+
+
+def test_dpbf16_kernel_rejects_mislaid_tensors(dpbf16: Dpbf16) -> None:
+    p = dpbf16.pack(torch.randn(32, 16).bfloat16())
+    h = torch.randn(4, 16).bfloat16()
+    with pytest.raises(ValueError, match="gemm_bf16"):
+        dpbf16.linear(h.float(), p, 32, None)
+    with pytest.raises(ValueError, match="gemm_bf16"):
+        dpbf16.linear(h, p, 33, None)  # another N than packed
+    with pytest.raises(ValueError, match="gemm_bf16"):
+        dpbf16.linear(torch.randn(4, 18).bfloat16(), p, 32, None)  # another K

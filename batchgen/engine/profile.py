@@ -142,14 +142,14 @@ def instrument(model: Any, attention: Any, profile: StepProfile) -> None:
     objects' methods in place (the model's code is unchanged)."""
     import torch.nn as nn
 
-    from batchgen.model.layers.linear import OneDnnLinear, PackedLinear
+    from batchgen.model.layers.linear import PackedLayer
     from batchgen.model.layers.moe import FusedExperts
 
     head = getattr(model, "lm_head", None)  # the engine times it as lm_head
     for module in model.modules():
         if module is head:
             continue
-        if isinstance(module, nn.Linear | PackedLinear | OneDnnLinear):
+        if isinstance(module, nn.Linear | PackedLayer):
             module.forward = profile.wrap("gemm", module.forward)
             module.add_ = profile.wrap("gemm", module.add_)
         elif isinstance(module, FusedExperts):

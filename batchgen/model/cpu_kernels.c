@@ -10,6 +10,8 @@
  *                        kernels/reference.py's quantize_kv_ref)
  *   paged_attention_i8, prefix_attention_merge_i8   attention over the int8 cache
  *   moe_experts_*        a mixture-of-experts layer's experts over the pairs routed to them
+ * bf16 only, on AVX512-BF16 builds:
+ *   gemm_bf16_dpbf16     the linear layers' GEMM on weights packed for vdpbf16ps
  * fp32 only:
  *   uniform_noise_f32    the sampler's hashed uniforms (bit for bit the PyTorch formula)
  *   race_draw_f32        the sampler's temperature-only draw, fused (noise, weights, race)
@@ -66,6 +68,7 @@
 #include "cpu_kernels_attention.c"
 #include "cpu_kernels_layers.c"
 #include "cpu_kernels_moe.c"
+#include "cpu_kernels_gemm.c"
 
 /* ---- attention entry points (called through ctypes by cpu_kernels.py) ---- */
 

@@ -55,6 +55,7 @@ _SOURCES = (
     _SOURCE.with_name("cpu_kernels_attention.c"),
     _SOURCE.with_name("cpu_kernels_layers.c"),
     _SOURCE.with_name("cpu_kernels_moe.c"),
+    _SOURCE.with_name("cpu_kernels_gemm.c"),
 )
 # -fopenmp: the library needs libgomp.so.1, which resolves to the copy torch has already loaded,
 # so the kernel's threads are torch's intra-op pool (see the C file)
@@ -204,7 +205,11 @@ class CpuKernels:
         }
         self._noise = _bind(lib.uniform_noise_f32, None, p, p, i64, p, i64, i64)
         self._race = _bind(lib.race_draw_f32, None, p, i64, p, p, i64, i64, p)
+        self._gemm = _bind(lib.gemm_bf16_dpbf16, ctypes.c_int, p, i64, i64, i64, p, i64, p, p,
+                           i64, p, i64, i32)  # fmt: skip
         self.path = path
+        # whether the build has the bf16 GEMM of batchgen.model.dpbf16_linear
+        self.gemm_dpbf16 = bool(_bind(lib.cpu_kernels_gemm_dpbf16, ctypes.c_int)())
         # whether bf16 attention uses the AVX512-BF16 dot products (else the portable path)
         self.avx512bf16 = bool(_bind(lib.cpu_kernels_avx512bf16, ctypes.c_int)())
 
@@ -443,6 +448,43 @@ class CpuKernels:
         out = torch.empty(t, h, dtype=torch.float32)
         self._combine[y.dtype](y.data_ptr(), pos.data_ptr(), weights.data_ptr(), out.data_ptr(),
                                t, k, h, torch.get_num_threads())  # fmt: skip
+        return out
+
+    def gemm_bf16(
+        self,
+        h: Tensor,
+        packed: Tensor,
+        out_features: int,
+        bias: Tensor | None,
+        add: Tensor | None,
+        out: Tensor,
+    ) -> Tensor:
+        """``out = h @ W^T + bias + add``, rounded to bf16 once, returns out: h ``[M, K]`` bf16
+        (unit column stride), packed ``[ceil(N/16), ceil(K/2), 16, 2]`` bf16 (W ``[N, K]`` in
+        :func:`batchgen.model.dpbf16_linear.pack`'s layout), bias ``[N]`` contiguous or None,
+        add and out ``[M, N]`` bf16 with unit column stride (add may be out itself). Only where
+        :attr:`gemm_dpbf16`."""
+        m, k = h.shape
+        n = out_features
+        ok = (
+            self.gemm_dpbf16
+            and h.dtype == packed.dtype == out.dtype == torch.bfloat16
+            and h.stride(1) == 1
+            and packed.is_contiguous()
+            and packed.shape == ((n + 15) // 16, (k + 1) // 2, 16, 2)
+            and out.shape == (m, n)
+            and out.stride(1) == 1
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()
+                                  and bias.shape == (n,)))
+            and (add is None or (add.dtype == torch.bfloat16 and add.shape == (m, n)
+                                 and add.stride(1) == 1))
+        )  # fmt: skip
+        if not ok:
+            raise ValueError("cpu gemm_bf16: unsupported dtypes, shapes or strides")
+        self._gemm(h.data_ptr(), h.stride(0), m, k, packed.data_ptr(), n,
+                   None if bias is None else bias.data_ptr(),
+                   None if add is None else add.data_ptr(), 0 if add is None else add.stride(0),
+                   out.data_ptr(), out.stride(0), torch.get_num_threads())  # fmt: skip
         return out
 
     def store_kv(

@@ -35,8 +35,7 @@ from batchgen.model.layers.activation import silu_mul
 from batchgen.model.layers.backend import LayerBackend
 from batchgen.model.layers.linear import (
     Linear,
-    OneDnnLinear,
-    PackedLinear,
+    PackedLayer,
     pack_linear,
     pack_linears_,
 )
@@ -245,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
             self.make_layer(cfg, i, attention, layers) for i in range(cfg.num_layers)
         )
         self.norm = self.make_norm(cfg, layers)
-        self.lm_head: Linear | PackedLinear | OneDnnLinear | None = (
+        self.lm_head: Linear | PackedLayer | None = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
 

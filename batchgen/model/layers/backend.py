@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.model import cpu_kernels, onednn_linear, packed_linear
+from batchgen.model import cpu_kernels, dpbf16_linear, onednn_linear, packed_linear
 from batchgen.model.cpu_kernels import CpuKernels
-from batchgen.model.onednn_linear import OneDnn
-from batchgen.model.packed_linear import Mkl
+from batchgen.model.layers.linear import Gemm
 
 __all__ = ["LayerBackend"]
 
@@ -22,15 +21,17 @@ class LayerBackend:
     ``cpu``: the C kernels of :mod:`batchgen.model.cpu_kernels` (RMSNorm, RoPE, SwiGLU), on CPU fp32
     and bf16 when they could be built. ``gemm``: the GEMM whose packed weights the linear layers
     hold (:func:`batchgen.model.layers.linear.pack_linears_`): MKL's packed sgemm
-    (:mod:`batchgen.model.packed_linear`) on CPU fp32 when torch exports it, oneDNN's packed inner
-    product (:mod:`batchgen.model.onednn_linear`) on CPU bf16 when oneDNN runs bf16 here. None: the
-    PyTorch ops (``F.linear``).
+    (:mod:`batchgen.model.packed_linear`) on CPU fp32 when torch exports it; on CPU bf16, the C
+    kernels' AVX512-BF16 GEMM (:mod:`batchgen.model.dpbf16_linear`) where the CPU has
+    AVX512-BF16 but no AMX, else oneDNN's packed inner product
+    (:mod:`batchgen.model.onednn_linear`) when oneDNN runs bf16 here. None: the PyTorch ops
+    (``F.linear``).
     """
 
     device: torch.device
     dtype: torch.dtype
     cpu: CpuKernels | None = None
-    gemm: Mkl | OneDnn | None = None
+    gemm: Gemm | None = None
 
     @classmethod
     def select(
@@ -47,10 +48,10 @@ class LayerBackend:
         (An engine's choice is :func:`batchgen.engine.backends.choose_backends`'.)"""
         if not native:
             return cls(device, dtype)
-        gemm = packed_linear.for_dtype(device, dtype) or onednn_linear.for_dtype(device, dtype)
-        return cls(
-            device,
-            dtype,
-            cpu=cpu_kernels.for_dtype(device, dtype, avx512bf16),
-            gemm=gemm if pack else None,
+        cpu = cpu_kernels.for_dtype(device, dtype, avx512bf16)
+        gemm = (
+            packed_linear.for_dtype(device, dtype)
+            or dpbf16_linear.for_dtype(device, dtype, cpu)
+            or onednn_linear.for_dtype(device, dtype)
         )
+        return cls(device, dtype, cpu=cpu, gemm=gemm if pack else None)

@@ -1,5 +1,6 @@
 """Linear layers: ``Linear`` (``F.linear``), ``PackedLinear`` (weights pre-packed for MKL's
-GEMM, CPU fp32) and ``OneDnnLinear`` (weights pre-packed for oneDNN's GEMM, CPU bf16). Modules
+GEMM, CPU fp32), ``OneDnnLinear`` (weights pre-packed for oneDNN's GEMM, CPU bf16) and
+``Dpbf16Linear`` (weights packed for batchgen's AVX512-BF16 GEMM, CPU bf16 without AMX). Modules
 are built as ``Linear``; once their weights are loaded, :func:`pack_linears_` swaps each for
 the packed layer of the backend's GEMM (:attr:`LayerBackend.gemm
 <batchgen.model.layers.backend.LayerBackend.gemm>`), if it has one."""
@@ -10,10 +11,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchgen.model import packed_linear
+from batchgen.model.dpbf16_linear import Dpbf16
 from batchgen.model.onednn_linear import OneDnn
 from batchgen.model.packed_linear import Mkl, PackedWeight
 
-__all__ = ["Linear", "OneDnnLinear", "PackedLinear", "pack_linear", "pack_linears_"]
+__all__ = [
+    "Dpbf16Linear",
+    "Gemm",
+    "Linear",
+    "OneDnnLinear",
+    "PackedLayer",
+    "PackedLinear",
+    "pack_linear",
+    "pack_linears_",
+]
+
+# the packed GEMMs a LayerBackend may hold
+Gemm = Mkl | OneDnn | Dpbf16
 
 
 class Linear(nn.Linear):
@@ -82,22 +96,52 @@ class OneDnnLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
+class Dpbf16Linear(nn.Module):
+    """A bf16 linear layer whose weight is held only in the AVX512-BF16 GEMM's packed layout
+    (:mod:`batchgen.model.dpbf16_linear`; no ``weight``). Each output is rounded once from its
+    fp32 sum, in an order that does not depend on the rows beside it."""
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None, gemm: Dpbf16) -> None:
+        super().__init__()
+        self.gemm = gemm
+        self.out_features, self.in_features = weight.shape
+        self.packed: Tensor = gemm.pack(weight)  # [ceil(out/16), ceil(in/2), 16, 2]
+        self.bias = bias  # [out] or None
+
+    def forward(self, h: Tensor) -> Tensor:
+        """h ``[T, in]`` -> ``[T, out]``."""
+        return self.gemm.linear(_unit_rows(h), self.packed, self.out_features, self.bias)
+
+    def add_(self, x: Tensor, h: Tensor) -> Tensor:
+        """``x += self(h)`` in place (rounded once, no temporary), returns x."""
+        if x.stride(1) != 1:
+            return x.add_(self(h))
+        return self.gemm.linear_add_(x, _unit_rows(h), self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dpbf16-packed"
+
+
+# a linear layer on packed weights
+PackedLayer = PackedLinear | OneDnnLinear | Dpbf16Linear
+
+
 def _unit_rows(h: Tensor) -> Tensor:
     """h with unit stride along its rows (MKL takes any row stride)."""
     return h if h.stride(1) == 1 and h.stride(0) >= h.shape[1] else h.contiguous()
 
 
-def pack_linear(
-    weight: Tensor, bias: nn.Parameter | None, gemm: Mkl | OneDnn
-) -> PackedLinear | OneDnnLinear:
+def pack_linear(weight: Tensor, bias: nn.Parameter | None, gemm: Gemm) -> PackedLayer:
     """The layer computing ``F.linear(h, weight, bias)`` on ``gemm``'s packed copy of weight
     ``[out, in]`` (weight itself is not kept)."""
     if isinstance(gemm, OneDnn):
         return OneDnnLinear(weight, bias, gemm)
+    if isinstance(gemm, Dpbf16):
+        return Dpbf16Linear(weight, bias, gemm)
     return PackedLinear(weight, bias, gemm)
 
 
-def pack_linears_(model: nn.Module, gemm: Mkl | OneDnn | None) -> int:
+def pack_linears_(model: nn.Module, gemm: Gemm | None) -> int:
     """Replace every ``nn.Linear`` of ``model`` (weights loaded, in the dtype ``gemm`` serves)
     by its packed layer (:func:`pack_linear`); returns how many. ``gemm`` None: nothing
     changes."""

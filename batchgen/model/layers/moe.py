@@ -40,8 +40,7 @@ from torch import Tensor, nn
 
 from batchgen.model.layers.activation import SiluMul, silu_mul
 from batchgen.model.layers.backend import LayerBackend
-from batchgen.model.layers.linear import OneDnnLinear, PackedLinear, pack_linear
-from batchgen.model.onednn_linear import OneDnn
+from batchgen.model.layers.linear import PackedLayer, pack_linear
 from batchgen.model.packed_linear import Mkl
 
 __all__ = [
@@ -154,10 +153,10 @@ class FusedExperts(nn.Module):
         # SwiGLU experts without biases
         self.cpu = layers.cpu if not bias and activation is None else None
         # per expert, once packed (pack): the two GEMMs' packed layers; None: the parameters
-        self.packed: list[tuple[PackedLinear | OneDnnLinear, PackedLinear | OneDnnLinear]] | None
+        self.packed: list[tuple[PackedLayer, PackedLayer]] | None
         self.packed = None
 
-    def pack(self, gemm: Mkl | OneDnn) -> int:
+    def pack(self, gemm: Mkl) -> int:
         """Pack each expert's weights for ``gemm`` (MKL, or oneDNN, which the model does not
         use for experts), dropping the stacked parameters; returns how many layers were
         packed."""
