@@ -16,8 +16,8 @@
  * (zero beyond N or K): for each block of 16 outputs, one 64-byte vector per pair of inputs,
  * which vdpbf16ps multiplies by one broadcast pair of x and adds into 16 fp32 sums.
  *
- * The loop: a task is a panel of GEMM_NB blocks (48 outputs; panels are contiguous in P, threads
- * take consecutive panels). A panel is read from memory once per row chunk of GEMM_CHUNK_BYTES of
+ * The loop: each thread takes an even share of the 16-output blocks, in panels of GEMM_NB blocks
+ * (48 outputs; contiguous in P). A panel is read from memory once per row chunk of GEMM_CHUNK_BYTES of
  * x, then from cache for each GEMM_MR-row tile: per pair of inputs, 3 vector loads and 8
  * broadcasts feed 24 dot products into 24 accumulator registers. While a panel computes, the
  * next one is prefetched, spread evenly over the panel's tiles: a decode step's GEMM (M of
@@ -40,16 +40,6 @@ int cpu_kernels_gemm_dpbf16(void) {
 /* 16 bf16 -> fp32 (m: the lanes to read; others 0) */
 static inline __m512 gemm_load_bf16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-/* fp32 -> bf16, to nearest even, NaN kept quiet (to_bf16x16's rounding, in AVX-512) */
-static inline __m256i gemm_round_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
 }
 
 /* One tile: MR rows (MR <= GEMM_MR) x NB blocks (NB <= GEMM_NB), both compile-time constants.
@@ -90,7 +80,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
         for (int i = 0; i < MR; i++) {
             __m512 r = _mm512_add_ps(acc[i][j], b);
             if (add) r = _mm512_add_ps(r, gemm_load_bf16(add + i * ld_add + 16 * j, m));
-            _mm256_mask_storeu_epi16(y + i * ldy + 16 * j, m, gemm_round_bf16(r));
+            _mm256_mask_storeu_epi16(y + i * ldy + 16 * j, m, (__m256i)to_bf16x16((v16)r));
         }
     }
 }
@@ -134,34 +124,43 @@ int gemm_bf16_dpbf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const
     if (M <= 0 || N <= 0) return 0;
     const int64_t K2 = (K + 1) / 2, blk = K2 * 32, blocks = (N + 15) / 16;
     const int odd = (int)(K & 1);
-    const int64_t panels = (blocks + GEMM_NB - 1) / GEMM_NB;
     const int64_t chunk_rows = GEMM_CHUNK_BYTES / (2 * K) > GEMM_MR ? GEMM_CHUNK_BYTES / (2 * K)
                                                                     : GEMM_MR;
-    const int nt = panels < num_threads ? (int)panels : num_threads;
+    const int nt = blocks < num_threads ? (int)blocks : num_threads;
 #pragma omp parallel num_threads(nt)
-    for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
-        const int64_t rows = M - m0 < chunk_rows ? M - m0 : chunk_rows;
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < panels; g++) {
-            const int64_t b0 = g * GEMM_NB;
-            const int nb = blocks - b0 < GEMM_NB ? (int)(blocks - b0) : GEMM_NB;
-            const int64_t left = N - 16 * (b0 + nb - 1); /* outputs from the last block on */
-            const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-            const uint16_t *pp = p + b0 * blk;
-            const char *pf = g + 1 < panels ? (const char *)(pp + nb * blk) : NULL;
-            const int64_t next = g + 1 < panels ? (blocks - b0 - nb < GEMM_NB ? blocks - b0 - nb : GEMM_NB) : 0;
-            const uint16_t *bb = bias ? bias + 16 * b0 : NULL;
-            const uint16_t *aa = add ? add + m0 * ld_add + 16 * b0 : NULL;
-            const uint16_t *xx = x + m0 * ldx;
-            uint16_t *yy = y + m0 * ldy + 16 * b0;
-            switch (nb) {
-#define GEMM_PANEL(B)                                                                       \
-    case B:                                                                                 \
-        gemm_panel(xx, ldx, rows, pp, blk, B, K2, odd, pf, next * blk * 2, bb, aa, ld_add,  \
-                   yy, ldy, mask);                                                          \
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+#else
+        const int t = 0, n_t = 1;
+#endif
+        /* this thread's blocks: an even share (panels of GEMM_NB would leave one thread a
+         * panel more where their count is odd: 11 panels of a 512-wide output on 2 threads) */
+        const int64_t lo = blocks * t / n_t, hi = blocks * (t + 1) / n_t;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
+            const int64_t rows = M - m0 < chunk_rows ? M - m0 : chunk_rows;
+            for (int64_t b0 = lo; b0 < hi; b0 += GEMM_NB) {
+                const int nb = hi - b0 < GEMM_NB ? (int)(hi - b0) : GEMM_NB;
+                const int64_t b1 = b0 + nb; /* the next panel's first block */
+                const int64_t next = hi - b1 < GEMM_NB ? hi - b1 : GEMM_NB;
+                const int64_t left = N - 16 * (b1 - 1); /* outputs from the last block on */
+                const __mmask16 mask =
+                    left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+                const uint16_t *pp = p + b0 * blk;
+                const char *pf = next > 0 ? (const char *)(p + b1 * blk) : NULL;
+                const uint16_t *bb = bias ? bias + 16 * b0 : NULL;
+                const uint16_t *aa = add ? add + m0 * ld_add + 16 * b0 : NULL;
+                const uint16_t *xx = x + m0 * ldx;
+                uint16_t *yy = y + m0 * ldy + 16 * b0;
+                switch (nb) {
+#define GEMM_PANEL(B)                                                                           \
+    case B:                                                                                     \
+        gemm_panel(xx, ldx, rows, pp, blk, B, K2, odd, pf, next * blk * 2, bb, aa, ld_add, yy, \
+                   ldy, mask);                                                                  \
         break;
-                GEMM_PANEL(1) GEMM_PANEL(2) GEMM_PANEL(3)
+                    GEMM_PANEL(1) GEMM_PANEL(2) GEMM_PANEL(3)
 #undef GEMM_PANEL
+                }
             }
         }
     }

@@ -119,11 +119,24 @@ static inline v16 load16_bf16(const uint16_t *p) {
     return (v16)(__builtin_convertvector(h, vu16) << 16);
 }
 
+/* fp32 -> bf16 lane-wise, to nearest even, a NaN kept a (quiet) NaN: f32_to_bf16 per lane */
 static inline vh16 to_bf16x16(v16 x) {
+#if defined(__AVX512F__)
+    /* the same arithmetic in AVX-512 instructions (GCC's code for the generic form below took
+     * about a third of silu_mul_bf16's time) */
+    const __m512i u = _mm512_castps_si512((__m512)x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask((__m512)x, (__m512)x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return (vh16)_mm512_cvtepi32_epi16(r);
+#else
     const vu16 u = (vu16)x;
     const vu16 r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     const vu16 nan = (vu16)(x != x);
     return __builtin_convertvector((r & ~nan) | (((u >> 16) | 0x40u) & nan), vh16);
+#endif
 }
 
 static inline void store16_bf16(uint16_t *p, v16 v) {
