@@ -2,13 +2,15 @@
 batchgen's own kernel (``gemm_bf16_dpbf16`` in batchgen/model/cpu_kernels_gemm.c) on weights
 packed once at load time for its ``vdpbf16ps`` dot products.
 
-Why not oneDNN there: at the row counts of decode steps, oneDNN's bf16 inner product reads its
-packed weights from memory and then computes, in turn; this kernel prefetches the next panel of
-weights while it computes the current one, so the weights stream at the pace of the arithmetic.
-SmolLM2-135M's 30 layers of projections (214 MB of bf16 weights, read from memory each call),
-AMD EPYC Zen 5, 2 threads, ``scripts/bench_gemm.py --dpbf16``: at 32 rows 7.8-8.0 ms against
-oneDNN's 12.7-13.3 (1.6x), at 8 rows 1.4-1.5x, at 512 rows 1.06x. On CPUs with AMX oneDNN runs
-its AMX kernels and is kept (this kernel was not measured there).
+Why not oneDNN there: at the row counts of decode steps, on weights that come from memory,
+oneDNN's bf16 inner product ran at about half the CPU's bf16 peak; this kernel prefetches the
+next panel of weights while it computes the current one, so the weights stream at the pace of
+the arithmetic (near the peak from 32 rows on).
+SmolLM2-135M's projections, 24 layers with distinct weights (read from memory each pass), AMD EPYC
+Zen 5, 2 threads, ``scripts/bench_gemm.py --models smollm2,qwen --stream 24``: at 32 rows 7.0 ms
+against oneDNN's 11.2 (1.59x), at 8 rows 1.43x, at 512 rows 1.09x; in cache, at 1,024-6,912
+rows, within a few percent of oneDNN either way. On CPUs with AMX oneDNN runs its AMX kernels
+and is kept (this kernel was not measured there).
 
 Rounding: every output is the fp32 sum of exact bf16 products over the inputs in ascending
 pairs, plus the bias and the residual, rounded to bf16 once (to nearest even). The order is the
