@@ -460,11 +460,13 @@ def test_dpbf16_strided_rows_and_nan(dpbf16: Dpbf16) -> None:
     p = dpbf16.pack(w)
     h = torch.randn(11, 60, generator=gen).bfloat16()[:, 10:34]
     wide = torch.randn(11, 90, generator=gen).bfloat16()
+    before = wide.clone()
     x = wide[:, 5:45]
     expected = (x.float() + fp32_reference(h, w, None)).bfloat16()
     dpbf16.linear_add_(x, h, p, None)
     torch.testing.assert_close(x, expected, rtol=2**-7, atol=1e-2)
-    assert torch.equal(wide[:, :5], wide[:, :5].clone())
+    # the columns beside the slice are untouched
+    assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, 45:], before[:, 45:])
     h2 = h.contiguous()
     h2[3, 7] = float("nan")
     out = dpbf16.linear(h2, p, 40, None)

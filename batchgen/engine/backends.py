@@ -37,7 +37,8 @@ class Switches:
     ``cpu_kernels``: ``BATCHGEN_CPU_KERNEL=0`` runs everything in PyTorch on a CPU;
     ``cpu_avx512bf16``: ``BATCHGEN_CPU_KERNEL_AVX512BF16=0`` builds the C kernels' portable
     variant; ``pack_weights``: ``BATCHGEN_PACK_WEIGHTS=0`` keeps ``F.linear`` (no MKL, oneDNN
-    or AVX512-BF16 packing); ``triton_interpret``: ``TRITON_INTERPRET=1`` lets the Triton backend run on a CPU.
+    or AVX512-BF16 packing); ``triton_interpret``: ``TRITON_INTERPRET=1`` lets the Triton
+    backend run on a CPU.
     One more changes no kernel but is read here with them: ``profile``, ``BATCHGEN_PROFILE=1``
     (off by default), times each engine step's phases (:mod:`batchgen.engine.profile`) into the
     report.

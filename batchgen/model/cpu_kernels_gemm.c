@@ -4,7 +4,7 @@
  *
  *   y[m][n] = bf16(sum_k x[m][k] w[n][k] + bias[n] + add[m][n])      m < M, n < N, k < K
  *
- * x [M, K] bf16, row m at x + m*ldx; w is held packed (gemm_dpbf16_pack's layout below); bias
+ * x [M, K] bf16, row m at x + m*ldx; w is held packed (the layout below); bias
  * [N] bf16 or NULL; add [M, N] bf16 (row stride ld_add) or NULL; y [M, N] bf16, row stride ldy.
  * y may be add itself (each element is read before it is written, by the same thread); x must
  * not overlap y. The sum runs in fp32 (vdpbf16ps: exact products of bf16 pairs), over k in
@@ -16,16 +16,18 @@
  * (zero beyond N or K): for each block of 16 outputs, one 64-byte vector per pair of inputs,
  * which vdpbf16ps multiplies by one broadcast pair of x and adds into 16 fp32 sums.
  *
- * The loop: each thread takes an even share of the 16-output blocks, in panels of GEMM_NB blocks
- * (48 outputs; contiguous in P). A panel is read from memory once per row chunk of GEMM_CHUNK_BYTES of
- * x, then from cache for each GEMM_MR-row tile: per pair of inputs, 3 vector loads and 8
- * broadcasts feed 24 dot products into 24 accumulator registers. While a panel computes, the
+ * Packed by batchgen/model/dpbf16_linear.py's pack (PyTorch ops, once at load).
+ *
+ * The loop: each thread takes an even share of the 16-output blocks, in panels of GEMM_NB
+ * blocks (48 outputs; contiguous in P). A panel is read from memory once per row chunk (up to
+ * GEMM_CHUNK_BYTES of x), then from cache for each GEMM_MR-row tile: per pair of inputs, 3
+ * vector loads and 8 broadcasts feed 24 dot products into 24 accumulator registers. While a panel computes, the
  * next one is prefetched, spread evenly over the panel's tiles: a decode step's GEMM (M of
  * 1-64 rows) streams its weights from memory at the pace of its arithmetic, not in bursts. */
 
 #define GEMM_NB 3                   /* 16-output blocks per panel */
 #define GEMM_MR 8                   /* rows per tile */
-#define GEMM_CHUNK_BYTES (1 << 19)  /* x rows per pass over the weights: about half an L2 */
+#define GEMM_CHUNK_BYTES (1 << 19)  /* bytes of x per pass over the weights: about half an L2 */
 
 int cpu_kernels_gemm_dpbf16(void) {
 #if defined(__AVX512BF16__)
@@ -39,7 +41,8 @@ int cpu_kernels_gemm_dpbf16(void) {
 
 /* 16 bf16 -> fp32 (m: the lanes to read; others 0) */
 static inline __m512 gemm_load_bf16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 /* One tile: MR rows (MR <= GEMM_MR) x NB blocks (NB <= GEMM_NB), both compile-time constants.
@@ -115,8 +118,8 @@ static inline __attribute__((always_inline)) void gemm_panel(
 
 #endif /* __AVX512BF16__ */
 
-/* y = x W^T + bias + add (the header comment's semantics); p packed by gemm_dpbf16_pack's
- * layout for N outputs of K inputs. Returns 0, or -1 where the build has no AVX512-BF16. */
+/* y = x W^T + bias + add (the header comment's semantics); p in the packed layout for N
+ * outputs of K inputs. Returns 0, or -1 where the build has no AVX512-BF16. */
 int gemm_bf16_dpbf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const uint16_t *p,
                      int64_t N, const uint16_t *bias, const uint16_t *add, int64_t ld_add,
                      uint16_t *y, int64_t ldy, int num_threads) {
