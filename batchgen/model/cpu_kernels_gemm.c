@@ -21,9 +21,10 @@
  * The loop: each thread takes an even share of the 16-output blocks, in panels of GEMM_NB
  * blocks (48 outputs; contiguous in P). A panel is read from memory once per row chunk (up to
  * GEMM_CHUNK_BYTES of x), then from cache for each GEMM_MR-row tile: per pair of inputs, 3
- * vector loads and 8 broadcasts feed 24 dot products into 24 accumulator registers. While a panel computes, the
- * next one is prefetched, spread evenly over the panel's tiles: a decode step's GEMM (M of
- * 1-64 rows) streams its weights from memory at the pace of its arithmetic, not in bursts. */
+ * vector loads and 8 broadcasts feed 24 dot products into 24 accumulator registers. While a
+ * panel computes, the next one is prefetched, spread evenly over the panel's tiles: a decode
+ * step's GEMM (M of 1-64 rows) streams its weights from memory at the pace of its arithmetic,
+ * not in bursts. */
 
 #define GEMM_NB 3                   /* 16-output blocks per panel */
 #define GEMM_MR 8                   /* rows per tile */
