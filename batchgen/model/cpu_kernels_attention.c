@@ -422,9 +422,11 @@ static inline __attribute__((always_inline)) void tile_attend_lanes(
                 s[j] = (vn)(((vin)s[j] & vis) | ((vin)((vn){0} - INFINITY) & ~vis));
             }
         }
-        vn bm = s[0];
-        for (int j = 1; j < 16; j++) bm = maxn(bm, s[j]);
-        const vn m_new = maxn(m, bm);
+        vn t[8]; /* the block's maximum as a tree: 4 dependent steps instead of 15 */
+        for (int j = 0; j < 8; j++) t[j] = maxn(s[j], s[j + 8]);
+        for (int w = 4; w > 0; w /= 2)
+            for (int j = 0; j < w; j++) t[j] = maxn(t[j], t[j + w]);
+        const vn m_new = maxn(m, t[0]);
         const vn alpha = expn_nonpos(m - m_new);
         vn sum = {0};
         for (int j = 0; j < 16; j++) {
