@@ -40,6 +40,29 @@ def make_batch(
     )
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=0.0),
+        dict(temperature=0.7),
+        dict(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05),
+        dict(temperature=1.0, top_p=0.5, repetition_penalty=1.2, frequency_penalty=0.3),
+    ],
+)
+def test_one_shared_params_object_packs_like_equal_copies(settings: dict) -> None:
+    """from_rows reads a setting once when every row holds the same SamplingParams object: the
+    batch is the same as from equal copies, one per row (read row by row)."""
+    shared = SamplingParams(**settings)
+    copies = [SamplingParams(**settings) for _ in range(5)]
+    got, want = make_batch([shared] * 5, 50), make_batch(copies, 50)
+    for name, value in vars(want).items():
+        other = getattr(got, name)
+        if isinstance(value, torch.Tensor):
+            assert isinstance(other, torch.Tensor) and torch.equal(other, value), name
+        else:
+            assert other == value, name
+
+
 def draw_many(
     logits_row: torch.Tensor, params: SamplingParams, n: int = 20_000, seed: int = 0
 ) -> torch.Tensor:
