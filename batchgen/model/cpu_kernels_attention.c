@@ -64,17 +64,21 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *p, co
  * loaded once. G (<= 16), D (a multiple of 16), BF and I8 are compile-time constants at each call
  * site (always inlined): the loops unroll into registers. */
 static inline __attribute__((always_inline)) void qk_v16(const float *qs, const void *k_base,
-                                                         const float *ks, const int64_t *key_off,
-                                                         int n, const int G, const int D,
-                                                         const int BF, const int I8,
-                                                         float *scores) {
+                                                         const void *v_base, const float *ks,
+                                                         const int64_t *key_off, int n,
+                                                         const int G, const int D, const int BF,
+                                                         const int I8, float *scores) {
     const int KPC = 16 / G; /* keys per chunk */
+    for (int jj = 0; jj < PREFETCH && jj < n; jj++) /* the first keys: nothing fetched them */
+        prefetch_row(at_kv(k_base, key_off[jj], BF, I8), D, BF, I8);
     for (int j0 = 0; j0 < n; j0 += KPC) {
         v16 acc[16];
         for (int i = KPC * G; i < 16; i++) acc[i] = (v16){0};
         for (int jj = 0; jj < KPC; jj++) { /* key rows come from scattered blocks: prefetch */
             const int ahead = j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1;
             prefetch_row(at_kv(k_base, key_off[ahead], BF, I8), D, BF, I8);
+            /* and the value rows p.v reads next, while the keys' dot products run */
+            prefetch_row(at_kv(v_base, key_off[j0 + jj < n ? j0 + jj : n - 1], BF, I8), D, BF, I8);
         }
         for (int jj = 0; jj < KPC; jj++) {
             /* past the last key: reread it (the lanes are dropped below) */
@@ -104,6 +108,7 @@ static inline __attribute__((always_inline)) void qk_v16(const float *qs, const 
  * D a multiple of 32. */
 static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q_h, float scale,
                                                             const uint16_t *k_base,
+                                                            const uint16_t *v_base,
                                                             const int64_t *key_off, int n,
                                                             const int G, const int D,
                                                             float *scores) {
@@ -112,12 +117,14 @@ static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q_h,
     for (int g = 0; g < G; g++)
         for (int c = 0; c < D / 32; c++)
             qv[g * (D / 32) + c] = (__m512bh)_mm512_loadu_si512(q_h + g * D + 32 * c);
+    for (int jj = 0; jj < PREFETCH && jj < n; jj++) prefetch_row(k_base + key_off[jj], D, 1, 0);
     for (int j0 = 0; j0 < n; j0 += KPC) {
         v16 acc[16];
         for (int i = KPC * G; i < 16; i++) acc[i] = (v16){0};
-        for (int jj = 0; jj < KPC; jj++) {
+        for (int jj = 0; jj < KPC; jj++) { /* as in qk_v16 */
             const int ahead = j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1;
             prefetch_row(k_base + key_off[ahead], D, 1, 0);
+            prefetch_row(v_base + key_off[j0 + jj < n ? j0 + jj : n - 1], D, 1, 0);
         }
         for (int jj = 0; jj < KPC; jj++) {
             const uint16_t *kp = k_base + key_off[j0 + jj < n ? j0 + jj : n - 1];
@@ -189,7 +196,8 @@ static inline __attribute__((always_inline)) void attend_row_group(
     /* scores[g][j] = scale * q[g] . k_j */
 #if defined(__AVX512BF16__)
     if (fast && BF && !I8 && D % 32 == 0) {
-        qk_dpbf16((const uint16_t *)q_h, a->scale, (const uint16_t *)k_base, key_off, n, G, D,
+        qk_dpbf16((const uint16_t *)q_h, a->scale, (const uint16_t *)k_base,
+                  (const uint16_t *)v_base, key_off, n, G, D,
                   scores);
     } else
 #endif
@@ -198,7 +206,7 @@ static inline __attribute__((always_inline)) void attend_row_group(
 #pragma omp simd
         for (int i = 0; i < G * D; i++) qs[i] = load1_any(q_h, i, BF) * a->scale;
         if (fast) {
-            qk_v16(qs, k_base, ks, key_off, n, G, D, BF, I8, scores);
+            qk_v16(qs, k_base, v_base, ks, key_off, n, G, D, BF, I8, scores);
         } else {
             for (int j = 0; j < n; j++) {
                 const void *kp = at_kv(k_base, key_off[j], BF, I8);
