@@ -61,8 +61,9 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *p, co
  * keys (BF), or int8 keys (I8): then k_j = ks[key_off[j] / D] * the integers, the scale applied
  * once to the fp32 dot product). Keys go in chunks of 16/G (rounded down) so that one hsum16
  * reduces all G x (16/G) dot products of a chunk (lanes past them are zero) and each key row is
- * loaded once. G (<= 16), D (a multiple of 16), BF and I8 are compile-time constants at each call
- * site (always inlined): the loops unroll into registers. */
+ * loaded once. The value rows of the same keys (at v_base + key_off[j]) are prefetched as their
+ * keys are read: p.v reads them next. G (<= 16), D (a multiple of 16), BF and I8 are compile-time
+ * constants at each call site (always inlined): the loops unroll into registers. */
 static inline __attribute__((always_inline)) void qk_v16(const float *qs, const void *k_base,
                                                          const void *v_base, const float *ks,
                                                          const int64_t *key_off, int n,
@@ -104,8 +105,8 @@ static inline __attribute__((always_inline)) void qk_v16(const float *qs, const 
 
 #if defined(__AVX512BF16__)
 /* qk_v16 for bf16 q and K with vdpbf16ps: scores[g*n + j] = scale * (q[g] . k_j), q_h the G
- * unscaled bf16 rows; each instruction sums pairs of exact bf16 products into fp32 lanes.
- * D a multiple of 32. */
+ * unscaled bf16 rows; each instruction sums pairs of exact bf16 products into fp32 lanes;
+ * value rows prefetched as there. D a multiple of 32. */
 static inline __attribute__((always_inline)) void qk_dpbf16(const uint16_t *q_h, float scale,
                                                             const uint16_t *k_base,
                                                             const uint16_t *v_base,

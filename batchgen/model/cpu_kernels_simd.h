@@ -142,9 +142,9 @@ static inline __m512i round_bits16(v16 x) {
 /* fp32 -> bf16 lane-wise, to nearest even, a NaN kept a (quiet) NaN: f32_to_bf16 per lane */
 static inline vh16 to_bf16x16(v16 x) {
 #if defined(__AVX512BW__)
-    /* in AVX-512 instructions, the upper halves gathered by one permutation: GCC's code for the
-     * generic form below took about a third of silu_mul_bf16's time, and the narrowing
-     * vpmovdw it used next is slow on AMD Zen 4 and 5 */
+    /* round16_bf16's arithmetic in AVX-512 instructions (GCC's code for the generic form below
+     * took about a third of silu_mul_bf16's time), the upper halves gathered by one
+     * permutation */
     const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 31, 29,
                                          27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     const __m512i h = _mm512_permutexvar_epi16(idx, round_bits16(x));
