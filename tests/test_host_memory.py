@@ -51,3 +51,19 @@ def test_user_settings_in_the_environment_win(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(host_memory, "_done", False)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     assert host_memory.keep_freed_memory() is False
+
+
+def test_lazy_zeros_are_zeros_and_fault_in_only_what_is_touched() -> None:
+    import resource
+
+    import torch
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = host_memory.lazy_zeros((64, 1024, 1024), torch.bfloat16)  # 128 MiB
+    made = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert x.shape == (64, 1024, 1024) and x.dtype == torch.bfloat16 and x.is_contiguous()
+    assert made < 100  # nothing touched yet (32,768 pages of 4 KiB)
+    assert x.data_ptr() % 4096 == 0
+    x[3].fill_(1.5)  # 2 MiB: about 512 pages
+    assert not x[:3].any() and not x[4:].any() and bool((x[3] == 1.5).all())
+    assert host_memory.lazy_zeros((0, 8), torch.float32).shape == (0, 8)

@@ -32,7 +32,15 @@ from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
 from batchgen.engine.staging import PendingReadback, Readback, Staging
 from batchgen.engine.stop import StopStrings
+from batchgen.host_memory import lazy_zeros
 from batchgen.model.config import ModelInfo
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor: lazily mapped on a CPU, ``torch.zeros`` elsewhere."""
+    if device.type == "cpu":
+        return lazy_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -119,15 +127,15 @@ class Engine:
             instrument(model, backends.attention, self.profile)
         self.copy_blocks = backends.copy_blocks
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
-        # the torch path must see finite values.
+        # the torch path must see finite values. On a CPU they are mapped lazily (host_memory).
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         shape = (info.num_layers, 2, config.num_blocks, config.block_size, info.num_kv_heads)
-        self.kv_cache = torch.zeros(*shape, info.head_dim, dtype=kv_dtype, device=device)
+        self.kv_cache = _zeros((*shape, info.head_dim), kv_dtype, device)
         # A quantized cache's fp32 scales [layers, K/V, blocks, block_size, kv_heads] (slot
         # value = kv_cache * kv_scales); None for a float cache.
         self.kv_scales: torch.Tensor | None = None
         if kv_dtype in (torch.int8, torch.float8_e4m3fn):
-            self.kv_scales = torch.zeros(*shape, dtype=torch.float32, device=device)
+            self.kv_scales = _zeros(shape, torch.float32, device)
         self.pool = BlockPool(config.num_blocks)
         cache = make_prefix_cache(self.pool, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
