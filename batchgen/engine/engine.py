@@ -32,14 +32,14 @@ from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
 from batchgen.engine.staging import PendingReadback, Readback, Staging
 from batchgen.engine.stop import StopStrings
-from batchgen.host_memory import lazy_zeros
+from batchgen.host_memory import mapped_zeros
 from batchgen.model.config import ModelInfo
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache tensor: lazily mapped on a CPU, ``torch.zeros`` elsewhere."""
+    """A zeroed cache tensor: mapped on its own on a CPU, ``torch.zeros`` elsewhere."""
     if device.type == "cpu":
-        return lazy_zeros(shape, dtype)
+        return mapped_zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -127,7 +127,7 @@ class Engine:
             instrument(model, backends.attention, self.profile)
         self.copy_blocks = backends.copy_blocks
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
-        # the torch path must see finite values. On a CPU they are mapped lazily (host_memory).
+        # the torch path must see finite values (on a CPU zero-filled by the kernel: host_memory).
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         shape = (info.num_layers, 2, config.num_blocks, config.block_size, info.num_kv_heads)
         self.kv_cache = _zeros((*shape, info.head_dim), kv_dtype, device)
