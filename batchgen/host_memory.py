@@ -1,4 +1,4 @@
-"""Host memory for CPU runs: the allocator's settings, and zeroed buffers that cost nothing up front.
+"""Host memory allocator settings for CPU runs.
 
 Every step allocates its activations afresh (tens of MB at a time on prefill steps). glibc's
 malloc serves blocks that large with ``mmap`` and returns them to the kernel on ``free``, so the
@@ -6,13 +6,6 @@ next step's allocation faults in fresh, zero-filled pages again: on a prompt-hea
 is over a million page faults and seconds of kernel time. :func:`keep_freed_memory` makes glibc
 serve every block from its heap and never trim the heap, so later steps reuse pages that are
 already mapped. The process keeps its peak footprint until it exits, which suits a batch job.
-
-The KV cache is the other case: one large buffer, made once. From the heap, zeroing it faults its
-pages in one at a time (1 GiB: 1.5-1.9 s on the benchmark's 2-core VM, about 6 us a page);
-faulted in lazily during the run instead, the same faults land in the first steps (workload LS:
-about 50,000 of them). :func:`mapped_zeros` maps it on its own with ``MAP_POPULATE``: the kernel
-zero-fills every page in one call (1 GiB: 0.34 s there, once the VM has backed that memory) and
-no step faults on it.
 """
 
 from __future__ import annotations
@@ -20,12 +13,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import math
-import mmap
 import os
 import sys
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +48,3 @@ def keep_freed_memory() -> bool:
         log.debug("mallopt refused the settings; keeping the allocator's defaults")
     _done = ok
     return ok
-
-
-def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous CPU tensor of zeros on an anonymous memory mapping of its own (page-aligned),
-    its pages zero-filled by the kernel up front where ``MAP_POPULATE`` exists (Linux), else on
-    first touch. The tensor keeps the mapping alive."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=dtype).view(shape)

@@ -51,23 +51,3 @@ def test_user_settings_in_the_environment_win(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(host_memory, "_done", False)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     assert host_memory.keep_freed_memory() is False
-
-
-def test_mapped_zeros_are_zeros_and_their_pages_are_in_place() -> None:
-    """Every page of the mapping is faulted in when it is made (MAP_POPULATE), so touching them
-    later faults (almost) none; without the flag the writes below would fault 32,768 pages."""
-    import resource
-
-    import torch
-
-    x = host_memory.mapped_zeros((64, 1024, 1024), torch.bfloat16)  # 128 MiB
-    assert x.shape == (64, 1024, 1024) and x.dtype == torch.bfloat16 and x.is_contiguous()
-    assert x.data_ptr() % 4096 == 0
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    x.view(-1)[::2048].fill_(1.5)  # one element in every 4 KiB page
-    touched = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    if sys.platform.startswith("linux"):
-        assert touched < 1000
-    x.view(-1)[::2048].zero_()
-    assert not x.any()
-    assert host_memory.mapped_zeros((0, 8), torch.float32).shape == (0, 8)

@@ -32,15 +32,7 @@ from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import Batch, Draw, Scheduler, SchedulerConfig
 from batchgen.engine.staging import PendingReadback, Readback, Staging
 from batchgen.engine.stop import StopStrings
-from batchgen.host_memory import mapped_zeros
 from batchgen.model.config import ModelInfo
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache tensor: mapped on its own on a CPU, ``torch.zeros`` elsewhere."""
-    if device.type == "cpu":
-        return mapped_zeros(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -127,15 +119,15 @@ class Engine:
             instrument(model, backends.attention, self.profile)
         self.copy_blocks = backends.copy_blocks
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: padded reads of
-        # the torch path must see finite values (on a CPU zero-filled by the kernel: host_memory).
+        # the torch path must see finite values.
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         shape = (info.num_layers, 2, config.num_blocks, config.block_size, info.num_kv_heads)
-        self.kv_cache = _zeros((*shape, info.head_dim), kv_dtype, device)
+        self.kv_cache = torch.zeros(*shape, info.head_dim, dtype=kv_dtype, device=device)
         # A quantized cache's fp32 scales [layers, K/V, blocks, block_size, kv_heads] (slot
         # value = kv_cache * kv_scales); None for a float cache.
         self.kv_scales: torch.Tensor | None = None
         if kv_dtype in (torch.int8, torch.float8_e4m3fn):
-            self.kv_scales = _zeros(shape, torch.float32, device)
+            self.kv_scales = torch.zeros(*shape, dtype=torch.float32, device=device)
         self.pool = BlockPool(config.num_blocks)
         cache = make_prefix_cache(self.pool, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
