@@ -330,3 +330,55 @@ def test_moe_figures_take_transformers_fastest_dtype_and_the_table_shows_each(be
     assert "150" in rows[0] and "10.00x" in rows[0]
     assert "FAILED" in next(ln for ln in rows if ln.split()[0] == "fp32")
     assert "M HF fp32: boom" in table
+
+
+@pytest.mark.parametrize("repeat, expected", [
+    (1, ["bg0", "vllm", "ov"]),
+    (3, ["bg0", "bg1", "vllm", "ov", "bg2"]),
+    (4, ["bg0", "bg1", "vllm", "ov", "bg2", "bg3"]),
+])  # fmt: skip
+def test_batchgen_repeats_bracket_the_peers_runs(bench, monkeypatch, tmp_path, repeat, expected):
+    """With --repeat r, batchgen runs ceil(r/2) times before vLLM and OpenVINO and the rest
+    after them (a drift of the machine moves both sides' medians)."""
+    import argparse
+
+    order: list[str] = []
+
+    class Done(Exception):
+        pass
+
+    w = bench.Workload("A", "what", 1, 4, ids=[0], prompts=["a b"])
+    monkeypatch.setattr(bench, "make_workload", lambda *a: w)
+    monkeypatch.setattr(bench, "write_parquet", lambda *a: None)
+    monkeypatch.setattr(
+        bench, "workload_work", lambda *a: {"prompt_tokens": 2, "ideal_computed_prompt_tokens": 2}
+    )
+    monkeypatch.setattr(bench, "measure_mm_rates", lambda: {})
+
+    def bg(session, w, model, data, k, bg_auto, bg_runs, kv_runs):
+        order.append(f"bg{k}")
+        bg_runs.setdefault("bfloat16", []).append({"k": k})
+        return "bfloat16"
+
+    monkeypatch.setattr(bench, "_batchgen_runs", bg)
+    monkeypatch.setattr(bench, "_vllm_runs", lambda *a: order.append("vllm") or {})
+    monkeypatch.setattr(bench, "_openvino_runs", lambda *a: order.append("ov") or {})
+
+    def stop(*a, **k):
+        raise Done
+
+    monkeypatch.setattr(bench, "median_run", stop)  # the medians come after every run
+    args = argparse.Namespace(
+        repeat=repeat, scale=1.0, no_hf=True, hf_real=False, no_vllm=False, no_openvino=False
+    )
+    session = bench.Session(
+        args=args, out=tmp_path, models={"small": tmp_path}, bg_words=["auto"], kv_dtypes=["auto"],
+        tokenizers={"small": lambda prompts, **k: {"input_ids": [[1, 2] for _ in prompts]}},
+        native=True, vllm_users="bfloat16", vllm_dtypes=["bfloat16"], vllm_problem=None,
+        openvino_dtypes=["bfloat16"], openvino_problem=None, rates=[],
+    )  # fmt: skip
+    try:
+        bench.bench_workload(session, "A")
+    except Done:
+        pass
+    assert order == expected
