@@ -1,7 +1,8 @@
 """The optional code paths of batchgen and whether this machine runs them.
 
 Some paths need something a machine may lack: the CPU C kernels need a C compiler, the packed
-GEMM needs the MKL inside torch's x86-64 build (fp32) or a oneDNN that runs bf16 here (bf16),
+GEMM needs torch's oneDNN (fp32), the MKL inside torch's x86-64 build (fp32, where oneDNN is
+missing) or a oneDNN that runs bf16 here (bf16),
 Ray is an extra, CUDA is a GPU, the real model is
 fetched from the package index. A test of such a path calls :func:`require`: where the path
 cannot run, the test FAILS, so a CI machine that silently lost its compiler cannot go green on
@@ -43,6 +44,14 @@ def _onednn() -> bool:
     from batchgen.model import onednn_linear
 
     return onednn_linear.for_dtype(torch.device("cpu"), torch.bfloat16) is not None
+
+
+def _onednn_fp32() -> bool:
+    import torch
+
+    from batchgen.model import onednn_linear
+
+    return onednn_linear.for_dtype(torch.device("cpu"), torch.float32) is not None
 
 
 def _dpbf16() -> bool:
@@ -100,6 +109,7 @@ PATHS = {
     "cpu_kernels": ("the C kernels of batchgen/model/cpu_kernels.c", _cpu_kernels),
     "mkl": ("MKL pre-packed GEMM weights", _mkl),
     "onednn": ("oneDNN pre-packed bf16 GEMM weights", _onednn),
+    "onednn_fp32": ("oneDNN pre-packed fp32 GEMM weights", _onednn_fp32),
     "dpbf16": ("the C kernels' AVX512-BF16 GEMM (CPUs without AMX)", _dpbf16),
     "ray": ("the Ray executor", _ray),
     "cuda": ("a CUDA GPU", _cuda),

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from batchgen.errors import ModelError
+from batchgen.model import packed_linear
 from batchgen.model.attention import TorchAttention
 from batchgen.model.layers.backend import LayerBackend
 from batchgen.model.layers.moe import FusedExperts, experts_reference, route
@@ -83,8 +84,9 @@ def experts_for(
     False) MKL-packed weights in fp32); else the PyTorch ops."""
     gen = torch.Generator().manual_seed(e * 100 + inter)
     layers = LayerBackend.select(CPU, dtype, native)
-    if not kernels:
-        layers = LayerBackend(CPU, dtype, cpu=None, gemm=layers.gemm)
+    if not kernels:  # MKL's packing (the model's, where torch has no oneDNN for fp32)
+        gemm = packed_linear.for_dtype(CPU, dtype) if native else layers.gemm
+        layers = LayerBackend(CPU, dtype, cpu=None, gemm=gemm)
     with torch.device("meta"):
         experts = FusedExperts(e, h, inter, layers)
     experts.gate_up_proj = torch.nn.Parameter(
@@ -210,7 +212,7 @@ def test_paged_logits_match_transformers(arch: str, native: bool, moe_dirs) -> N
     """Chunked prefill, then decode steps, six sequences of different lengths per step."""
     if native:
         require("cpu_kernels")
-        require("mkl")
+        require("onednn_fp32")
     model_dir = moe_dirs[arch]
     model, info = load_model(model_dir, CPU, torch.float32, TorchAttention(native), native)
     gen = torch.Generator().manual_seed(len(arch))

@@ -1,6 +1,7 @@
 """Pre-packed weights against F.linear, and the fallbacks: MKL's packed sgemm on CPU fp32
-(batchgen.model.packed_linear, layers.linear.PackedLinear), oneDNN's packed inner product on
-CPU bf16 (batchgen.model.onednn_linear, layers.linear.OneDnnLinear) and the C kernels'
+(batchgen.model.packed_linear, layers.linear.PackedLinear; where oneDNN is missing), oneDNN's
+packed inner product on CPU fp32 and bf16 (batchgen.model.onednn_linear,
+layers.linear.OneDnnLinear) and the C kernels'
 AVX512-BF16 GEMM on CPU bf16 without AMX (batchgen.model.dpbf16_linear,
 layers.linear.Dpbf16Linear; its C kernel against the fp32 sum over many shapes)."""
 
@@ -58,18 +59,19 @@ def find(kind: str) -> Gemm:
         dpbf16 = dpbf16_linear.for_dtype(CPU, torch.bfloat16, cpu_kernels.load())
         assert dpbf16 is not None
         return Gemm(dpbf16, torch.bfloat16, Dpbf16Linear)
-    onednn = onednn_linear.for_dtype(CPU, torch.bfloat16)
+    dtype = torch.float32 if kind == "onednn_fp32" else torch.bfloat16
+    onednn = onednn_linear.for_dtype(CPU, dtype)
     assert onednn is not None
-    return Gemm(onednn, torch.bfloat16, OneDnnLinear)
+    return Gemm(onednn, dtype, OneDnnLinear)
 
 
 def chosen(dtype: torch.dtype) -> Gemm:
-    """The packed GEMM an engine's plan picks here for ``dtype`` (fp32: MKL; bf16: the
+    """The packed GEMM an engine's plan picks here for ``dtype`` (fp32: oneDNN; bf16: the
     AVX512-BF16 GEMM on CPUs with it and no AMX, else oneDNN)."""
     from batchgen.engine.backends import choose_backends
 
     if dtype == torch.float32:
-        require("mkl")
+        require("onednn_fp32")
     elif dpbf16_linear.for_dtype(CPU, dtype, cpu_kernels.load()) is None:
         require("onednn")
     g = choose_backends(CPU, dtype, "torch").layers.gemm
@@ -77,7 +79,7 @@ def chosen(dtype: torch.dtype) -> Gemm:
     return Gemm(g, dtype, LAYERS[type(g)])
 
 
-@pytest.fixture(params=["mkl", "onednn", "dpbf16"])
+@pytest.fixture(params=["mkl", "onednn_fp32", "onednn", "dpbf16"])
 def gemm(request: pytest.FixtureRequest) -> Gemm:
     return find(request.param)
 
@@ -117,7 +119,11 @@ def packed(layer: Linear, g: Gemm) -> nn.Module:
 def fresh_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget the process's MKL and oneDNN lookups for this test: the next load() looks again."""
     monkeypatch.setattr(packed_linear, "_MKL", Once(packed_linear._find))
-    monkeypatch.setattr(onednn_linear, "_ONEDNN", Once(onednn_linear._find))
+    monkeypatch.setattr(
+        onednn_linear,
+        "_ONEDNN",
+        {dt: Once(lambda dt=dt: onednn_linear._find(dt)) for dt in onednn_linear._ONEDNN},
+    )
 
 
 def fp32_reference(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -245,14 +251,18 @@ def test_plain_linear(bias: bool) -> None:
     torch.testing.assert_close(layer.add_(x, h), expected)
 
 
-def test_each_gemm_serves_one_dtype_on_the_cpu() -> None:
+def test_each_gemm_serves_its_dtypes_on_the_cpu() -> None:
+    """MKL fp32 only, oneDNN fp32 and bf16; the plan takes oneDNN for fp32 where it is there."""
+    from batchgen.engine.backends import choose_backends
+
     meta = torch.device("meta")
     for module in (packed_linear, onednn_linear):
         assert module.for_dtype(meta, torch.float32) is None
         assert module.for_dtype(meta, torch.bfloat16) is None
         assert module.for_dtype(CPU, torch.float16) is None
     assert packed_linear.for_dtype(CPU, torch.bfloat16) is None
-    assert onednn_linear.for_dtype(CPU, torch.float32) is None
+    require("onednn_fp32")
+    assert isinstance(choose_backends(CPU, torch.float32, "torch").layers.gemm, OneDnn)
     model = nn.Sequential(Linear(8, 8))
     assert pack_linears_(model, None) == 0 and isinstance(model[0], Linear)
 
@@ -286,9 +296,15 @@ def test_onednn_without_bf16_falls_back(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_onednn_failing_its_check_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16: F.linear; fp32: MKL's packed GEMM."""
+    from batchgen.engine.backends import choose_backends
+
     fresh_lookups(monkeypatch)
     monkeypatch.setattr(OneDnn, "linear_add", lambda self, h, other, w, b: other)  # drops h W^T
     assert onednn_linear.for_dtype(CPU, torch.bfloat16) is None
+    assert onednn_linear.for_dtype(CPU, torch.float32) is None
+    require("mkl")
+    assert isinstance(choose_backends(CPU, torch.float32, "torch").layers.gemm, Mkl)
 
 
 def test_packed_layers_drop_the_original_weight(gemm: Gemm) -> None:
@@ -301,7 +317,8 @@ def test_packed_layers_drop_the_original_weight(gemm: Gemm) -> None:
     assert all(w() is None for w in weights)
     assert all(type(m) is gemm.layer for m in model)
     if gemm.layer is OneDnnLinear:
-        assert [torch.ops.mkldnn._nbytes(m.packed) for m in model] == [384 * 256 * 2] * 2
+        size = gemm.dtype.itemsize
+        assert [torch.ops.mkldnn._nbytes(m.packed) for m in model] == [384 * 256 * size] * 2
 
 
 def load_tiny(folder: Path, dtype: torch.dtype, tied: bool):

@@ -182,7 +182,7 @@ def load_model(
 
     ``attention`` and ``layers`` are the engine's choice (:class:`~batchgen.engine.backends.Backends`);
     without ``layers`` the fastest available here (:meth:`LayerBackend.select`: the C kernels and
-    packed GEMM weights, MKL on CPU fp32, oneDNN on CPU bf16); ``native=False``: PyTorch ops only.
+    packed GEMM weights, oneDNN on CPU fp32 and bf16); ``native=False``: PyTorch ops only.
     """
     root = model_path(model_dir)
     cfg, eos = read_model_config(root)

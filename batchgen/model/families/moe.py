@@ -171,7 +171,8 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def pack_weights(self) -> int:
         """The dense layers' packing (:meth:`LlamaForCausalLM.pack_weights`), plus, with MKL
-        (CPU fp32) and without the C kernels, each expert's two weights. Where the C kernels
+        (CPU fp32 where torch has no oneDNN) and without the C kernels, each expert's two
+        weights. Where the C kernels
         run the experts (:meth:`FusedExperts._pairs_cpu`), the stacked weights stay: the kernel
         reads them, and the GEMMs of its large experts on stacked weights were as fast as
         MKL-packed ones (Qwen3-30B-A3B's expert shape, one thread: 256 and 1,024 tokens within

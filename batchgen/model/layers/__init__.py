@@ -4,5 +4,5 @@
 - ``norm``: RMSNorm;
 - ``rotary``: RoPE frequencies, cos/sin tables and the in-place rotation;
 - ``activation``: SwiGLU's ``silu(gate) * up``;
-- ``linear``: linear layers, plain or with MKL-packed weights.
+- ``linear``: linear layers, plain or with packed weights (oneDNN, MKL, the C kernels' GEMM).
 """

@@ -20,11 +20,11 @@ class LayerBackend:
 
     ``cpu``: the C kernels of :mod:`batchgen.model.cpu_kernels` (RMSNorm, RoPE, SwiGLU), on CPU fp32
     and bf16 when they could be built. ``gemm``: the GEMM whose packed weights the linear layers
-    hold (:func:`batchgen.model.layers.linear.pack_linears_`): MKL's packed sgemm
-    (:mod:`batchgen.model.packed_linear`) on CPU fp32 when torch exports it; on CPU bf16, the C
-    kernels' AVX512-BF16 GEMM (:mod:`batchgen.model.dpbf16_linear`) where the CPU has
-    AVX512-BF16 but no AMX, else oneDNN's packed inner product
-    (:mod:`batchgen.model.onednn_linear`) when oneDNN runs bf16 here. None: the PyTorch ops
+    hold (:func:`batchgen.model.layers.linear.pack_linears_`): on CPU fp32, oneDNN's packed
+    inner product (:mod:`batchgen.model.onednn_linear`), else MKL's packed sgemm
+    (:mod:`batchgen.model.packed_linear`) when torch exports it; on CPU bf16, the C kernels'
+    AVX512-BF16 GEMM (:mod:`batchgen.model.dpbf16_linear`) where the CPU has AVX512-BF16 but no
+    AMX, else oneDNN's packed inner product when oneDNN runs bf16 here. None: the PyTorch ops
     (``F.linear``).
     """
 
@@ -50,8 +50,8 @@ class LayerBackend:
             return cls(device, dtype)
         cpu = cpu_kernels.for_dtype(device, dtype, avx512bf16)
         gemm = (
-            packed_linear.for_dtype(device, dtype)
-            or dpbf16_linear.for_dtype(device, dtype, cpu)
+            dpbf16_linear.for_dtype(device, dtype, cpu)
             or onednn_linear.for_dtype(device, dtype)
+            or packed_linear.for_dtype(device, dtype)
         )
         return cls(device, dtype, cpu=cpu, gemm=gemm if pack else None)

@@ -1,5 +1,6 @@
 """Linear layers: ``Linear`` (``F.linear``), ``PackedLinear`` (weights pre-packed for MKL's
-GEMM, CPU fp32), ``OneDnnLinear`` (weights pre-packed for oneDNN's GEMM, CPU bf16) and
+GEMM, CPU fp32 where torch has no oneDNN), ``OneDnnLinear`` (weights pre-packed for oneDNN's
+GEMM, CPU fp32 and bf16) and
 ``Dpbf16Linear`` (weights packed for batchgen's AVX512-BF16 GEMM, CPU bf16 without AMX). Modules
 are built as ``Linear``; once their weights are loaded, :func:`pack_linears_` swaps each for
 the packed layer of the backend's GEMM (:attr:`LayerBackend.gemm
