@@ -8,7 +8,7 @@ Usage:
                           [--batchgen-dtypes auto,other] [--vllm-dtypes users,other]
                           [--kv-cache-dtypes auto,int8] [--kv-cache-memory 1GiB]
                           [--scale 0.25] [--repeat 1] [--json bench-out/bench.json]
-                          [--moe-layers 4]
+                          [--moe-layers 4] [--cpu-isa avx2]
 
 Two random models are made once under bench-out/ (a stamp of their spec is kept beside them):
 "small", the protocol's 8-layer Llama (hidden 512, vocab 4096, about 28M parameters), for workloads
@@ -194,6 +194,44 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
+# --cpu-isa avx2: every engine capped at AVX2 on an AVX-512 machine, as an AVX2-only CPU's users
+# run (its instructions, not its caches, memory or clock). These go to every process the bench
+# starts, and to this one before torch loads (the matmul-rate probe):
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorized ops
+    "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN: torch's and vLLM's GEMMs
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL: batchgen's packed fp32 GEMM, torch.mm
+    "BATCHGEN_CPU_ISA": "avx2",  # batchgen's C kernels and dtype choice (model/cpu_features.py)
+}
+# vLLM picks its kernels (vllm._C_AVX2 or the AVX-512 builds) and its bf16 support from torch.cpu's
+# checks: this sitecustomize, on the path of the worker and of every process vLLM spawns, answers
+# them as an AVX2-only CPU would.
+AVX2_SITECUSTOMIZE = """\
+import torch.cpu
+
+for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported",
+              "_is_amx_fp16_supported", "_is_vnni_supported"):
+    if hasattr(torch.cpu, _name):
+        setattr(torch.cpu, _name, lambda: False)
+"""
+# the flags an AVX2 cap turns off
+AVX512_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def avx2_capped() -> bool:
+    """Whether this process runs under ``--cpu-isa avx2`` (AVX2_ENV is in its environment)."""
+    return os.environ.get("BATCHGEN_CPU_ISA") == "avx2"
+
+
+def apply_avx2_cap(out: Path) -> Path:
+    """Put AVX2_ENV into this process's environment (before torch is imported) and write
+    AVX2_SITECUSTOMIZE under ``out``; returns its folder (for vLLM's PYTHONPATH)."""
+    os.environ.update(AVX2_ENV)
+    site = out / "avx2-site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(AVX2_SITECUSTOMIZE)
+    return site
+
 
 # -- the machine and dtypes -----------------------------------------------------------------------
 
@@ -227,6 +265,11 @@ def cpu_info() -> dict[str, Any]:
     info = parse_cpuinfo(text)
     info["model"] = info["model"] or platform.processor() or platform.machine()
     info["cpus"] = os.cpu_count()
+    info["isa_cap"] = None
+    if avx2_capped():  # the CPU as the engines see it under --cpu-isa avx2
+        info["isa_cap"] = "avx2"
+        info["flags"] = {f: on and f not in AVX512_FLAGS for f, on in info["flags"].items()}
+        info["native_bf16"] = False
     return info
 
 
@@ -851,6 +894,9 @@ def _run_vllm_worker(spec: dict, out: Path, dtype: str, args: argparse.Namespace
     spec_path.write_text(json.dumps(spec))
     (out / "result.json").unlink(missing_ok=True)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
+    if avx2_capped():  # vLLM's kernel and dtype checks answered as on an AVX2-only CPU
+        site = str(args.out.resolve() / "avx2-site")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
     cpus = sorted(os.sched_getaffinity(0))
     # every core computing (docs/performance.md): vLLM's own default keeps one for its scheduler
     threads = args.vllm_omp_threads or args.threads or len(cpus)
@@ -1717,9 +1763,15 @@ def format_machine(cpu: dict[str, Any], mm: dict[str, Any], torch_version: str) 
         f"{m['size']}^3)"
         for d, m in mm["rates"].items()
     )
+    cap = ""
+    if cpu.get("isa_cap"):
+        cap = (
+            f" (capped at {cpu['isa_cap'].upper()} by --cpu-isa: AVX-512 and AMX off in torch, "
+            "oneDNN, MKL, batchgen and vLLM)"
+        )
     return "\n".join(
         [
-            f"machine: {cpu['model']}, {cpu['cpus']} CPUs; flags: {flags}; native bf16: "
+            f"machine: {cpu['model']}, {cpu['cpus']} CPUs; flags: {flags}{cap}; native bf16: "
             f"{'yes' if cpu['native_bf16'] else 'no'}; torch {torch_version}, "
             f"{mm['threads']} threads",
             f"torch.mm rate ({mm['threads']} threads): {rates}; the floor uses the best, "
@@ -1907,6 +1959,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the time per engine step in GEMMs, attention, other kernels, the LM head, sampling, "
         "scheduling, building the step, completing it, and between steps",
     )
+    parser.add_argument(
+        "--cpu-isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: run every engine as on an AVX2-only CPU (AVX-512 and AMX off in torch, oneDNN, "
+        "MKL, batchgen's C kernels and vLLM's; users' dtypes fp32; OpenVINO GenAI not run, having "
+        "no such switch). Instructions only: not an AVX2 CPU's caches, memory or clock",
+    )
     parser.add_argument("--vllm-worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -1940,6 +2000,10 @@ def main() -> None:
     if args.vllm_worker:
         vllm_worker(args.vllm_worker)
         return
+    if args.cpu_isa == "avx2":
+        apply_avx2_cap(args.out.resolve())
+        args.no_openvino = True  # it has no instruction-set switch
+        print("[bench] --cpu-isa avx2: OpenVINO GenAI not run (no way to cap its kernels)")
 
     import torch
     from transformers import AutoTokenizer

@@ -380,3 +380,52 @@ def test_batchgen_repeats_bracket_the_peers_runs(bench, monkeypatch, tmp_path, r
     with pytest.raises(Done):  # reached the medians: every run was made
         bench.bench_workload(session, "A")
     assert order == expected
+
+
+def test_cpu_isa_avx2_caps_every_engine(bench, monkeypatch, tmp_path):
+    """--cpu-isa avx2: the caps of torch, oneDNN, MKL and batchgen go into the environment, the
+    CPU reads as AVX2-only (no native bf16: users' dtype fp32), and vLLM's worker gets a
+    sitecustomize that answers torch.cpu's AVX-512 and AMX checks with False."""
+    import os
+    import subprocess
+
+    for name in bench.AVX2_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(bench.Path, "read_text", lambda self, *a, **k: CPUINFO)
+    assert bench.cpu_info()["native_bf16"] and bench.cpu_info()["isa_cap"] is None
+    assert bench.parse_args(["--cpu-isa", "avx2"]).cpu_isa == "avx2"
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # apply_avx2_cap writes the env
+    site = bench.apply_avx2_cap(tmp_path)
+    assert all(os.environ[k] == v for k, v in bench.AVX2_ENV.items())
+    monkeypatch.setattr(bench.Path, "read_text", lambda self, *a, **k: CPUINFO)
+    info = bench.cpu_info()
+    assert info["isa_cap"] == "avx2" and not info["native_bf16"]
+    assert info["flags"]["avx2"] and not any(info["flags"][f] for f in bench.AVX512_FLAGS)
+    assert "capped at AVX2" in bench.format_machine(info, {"rates": {}, "threads": 2}, "2.13.0")
+    monkeypatch.undo()
+    text = (site / "sitecustomize.py").read_text()
+    namespace: dict = {}
+    fake_cpu = type("cpu", (), {"_is_avx512_supported": lambda: True})
+    fake_torch = type("torch", (), {"cpu": fake_cpu})
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setitem(sys.modules, "torch.cpu", fake_cpu)
+    exec(compile(text, "sitecustomize.py", "exec"), namespace)
+    assert fake_cpu._is_avx512_supported() is False
+
+    seen: dict = {}
+
+    def run(cmd, **kw):
+        seen.update(kw["env"])
+        raise subprocess.TimeoutExpired(cmd, 1)
+
+    monkeypatch.setattr(os, "environ", dict(os.environ, **bench.AVX2_ENV))
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    import argparse
+
+    args = argparse.Namespace(
+        out=tmp_path, vllm_omp_threads=None, threads=None, vllm_venv=tmp_path, vllm_timeout=1
+    )
+    res = bench._run_vllm_worker({}, tmp_path / "w", "float32", args)
+    assert not res["ok"] and seen["PYTHONPATH"].split(os.pathsep)[0] == str(site)
+    assert seen["ONEDNN_MAX_CPU_ISA"] == "AVX2"
