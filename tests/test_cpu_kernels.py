@@ -6,13 +6,16 @@ start offset (cascade members) with its log-sum-exp, and a stride-padded q. Ever
 sequence uses is NaN, so a stray read shows up in the output.
 
 The attention and store tests run for each ``Flavor``: fp32, bf16 (the build for this CPU: with
-AVX512-BF16 where it has them) and bf16 from the portable build. bf16 results are checked against
-the fp32 (or float64) reference computed from the same bf16 inputs, within one bf16 ulp.
+AVX512-BF16 where it has them), bf16 from the portable build, and fp32 and bf16 from the build
+under the AVX2 cap (``BATCHGEN_CPU_ISA=avx2``: the 8-lane paths an AVX2-only CPU runs; on such a
+CPU they are the first two again, and skipped). bf16 results are checked against the fp32 (or float64)
+reference computed from the same bf16 inputs, within one bf16 ulp.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass
 
@@ -23,7 +26,7 @@ from batchgen.engine import noise, sampler
 from batchgen.engine.noise import TORCH_FORMULA, SamplerKernels
 from batchgen.engine.request import SamplingParams
 from batchgen.kernels.reference import paged_attention_ref, store_kv_ref
-from batchgen.model import cpu_kernels
+from batchgen.model import cpu_features, cpu_kernels
 from batchgen.model.cpu_kernels import CpuKernels
 from batchgen.model.layers.activation import silu_mul_
 from batchgen.model.layers.norm import RMSNorm
@@ -84,11 +87,54 @@ def kernels_of(build: str) -> CpuKernels:
     return built
 
 
-@pytest.fixture(params=["fp32", "bf16", "bf16-portable"])
+_AVX2: list[CpuKernels] = []  # the AVX2 build, once built
+
+
+def avx2_kernels() -> CpuKernels:
+    """The kernels as the AVX2 cap builds them (``BATCHGEN_CPU_ISA=avx2``); skips on a CPU without
+    AVX-512, whose own kernels are those."""
+    native = kernels_of("native")
+    if native.lanes == 8:
+        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+    if not _AVX2:
+        saved = os.environ.get(cpu_features.ISA_ENV)
+        os.environ[cpu_features.ISA_ENV] = "avx2"
+        try:
+            built = cpu_kernels.build()
+        finally:
+            if saved is None:
+                del os.environ[cpu_features.ISA_ENV]
+            else:
+                os.environ[cpu_features.ISA_ENV] = saved
+        assert built is not None
+        _AVX2.append(built)
+    return _AVX2[0]
+
+
+@pytest.fixture(params=["fp32", "bf16", "bf16-portable", "fp32-avx2", "bf16-avx2"])
 def flavor(request: pytest.FixtureRequest) -> Flavor:
     """The kernels in each dtype and build."""
+    if request.param.endswith("-avx2"):
+        return Flavor(avx2_kernels(), torch.float32 if "fp32" in request.param else torch.bfloat16)
     build = "portable" if request.param == "bf16-portable" else "native"
     return Flavor(kernels_of(build), torch.float32 if request.param == "fp32" else torch.bfloat16)
+
+
+def test_avx2_cap_takes_the_cpu_for_an_avx2_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BATCHGEN_CPU_ISA=avx2``: no native bf16 (so ``auto`` is fp32); an unknown value is
+    ignored."""
+    monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
+    assert cpu_features.avx2_only() and cpu_features.bf16_support().features == ()
+    monkeypatch.setenv(cpu_features.ISA_ENV, "sse2")
+    assert not cpu_features.avx2_only()
+
+
+def test_avx2_cap_builds_8_lane_kernels() -> None:
+    """Under the cap the kernels have 8-lane vectors and neither AVX512-BF16 path (on an AVX-512
+    CPU, whose own build has 16 lanes)."""
+    kernel = avx2_kernels()
+    assert kernel.lanes == 8 and not kernel.avx512bf16 and not kernel.gemm_dpbf16
+    assert kernels_of("native").lanes == 16
 
 
 def make_case(

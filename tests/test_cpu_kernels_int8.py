@@ -18,6 +18,7 @@ from tests.test_cpu_kernels import (
     EXTEND_SHAPES,
     SHAPES,
     Flavor,
+    avx2_kernels,
     kernels_of,
     make_case,
     reference,
@@ -26,10 +27,12 @@ from tests.test_cpu_kernels import (
 I8 = torch.int8
 
 
-@pytest.fixture(params=["fp32", "bf16", "bf16-portable"])
+@pytest.fixture(params=["fp32", "bf16", "bf16-portable", "fp32-avx2"])
 def flavor(request: pytest.FixtureRequest) -> Flavor:
     """The kernels and the dtype of q (and of the K/V stored): fp32, bf16 (this CPU's build),
-    bf16 (the portable build)."""
+    bf16 (the portable build), fp32 (the build under the AVX2 cap, where the CPU has AVX-512)."""
+    if request.param == "fp32-avx2":
+        return Flavor(avx2_kernels(), torch.float32)
     build = "portable" if request.param == "bf16-portable" else "native"
     return Flavor(kernels_of(build), torch.float32 if request.param == "fp32" else torch.bfloat16)
 

@@ -5,17 +5,30 @@ bf16 GEMMs through oneDNN about three times faster than fp32 ones; CPUs without 
 bf16 and run it far slower than fp32. The answer comes from torch's own CPU checks (which for
 AMX also ask the kernel for the tile state), else from the flags in ``/proc/cpuinfo``. It depends
 on the machine only, never on timing, so the same machine always resolves ``auto`` the same way.
+
+``BATCHGEN_CPU_ISA=avx2`` takes an AVX-512 CPU for an AVX2-only one (:func:`avx2_only`): no native
+bf16 here, and the C kernels built without AVX-512 (:mod:`batchgen.model.cpu_kernels`). It is
+how the AVX2 code paths and an AVX2 CPU's choices are run on an AVX-512 machine; the libraries
+under torch take their own caps (``scripts/bench.py --cpu-isa avx2`` sets them all).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["Bf16Support", "bf16_support"]
+__all__ = ["ISA_ENV", "Bf16Support", "avx2_only", "bf16_support"]
+
+log = logging.getLogger(__name__)
+
+# the environment variable of the instruction-set cap, and the one cap it takes
+ISA_ENV = "BATCHGEN_CPU_ISA"
+_CAPS = ("avx2",)
 
 # instruction set -> (torch's check, the /proc/cpuinfo flag)
 _FEATURES = (
@@ -53,8 +66,20 @@ def _cpuinfo_flags() -> set[str]:
     return set()
 
 
+def avx2_only() -> bool:
+    """Whether ``BATCHGEN_CPU_ISA=avx2`` caps this process at AVX2 (read at each call; an unknown
+    value is logged and ignored)."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if value and value not in _CAPS:
+        log.warning("%s=%r is not a cap this build knows (%s): ignored", ISA_ENV, value, *_CAPS)
+    return value == "avx2"
+
+
 def bf16_support() -> Bf16Support:
-    """This CPU's bf16 matrix instructions (x86 only: other CPUs report none)."""
+    """This CPU's bf16 matrix instructions (x86 only: other CPUs report none; none under the
+    AVX2 cap)."""
+    if avx2_only():
+        return Bf16Support(())
     flags: set[str] | None = None
     found = []
     for name, torch_check, flag in _FEATURES:

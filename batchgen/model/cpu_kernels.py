@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from batchgen.model.cpu_features import bf16_support
+from batchgen.model.cpu_features import avx2_only, bf16_support
 from batchgen.model.once import Once
 
 __all__ = ["CpuKernels", "build", "for_dtype", "load"]
@@ -66,6 +66,9 @@ _NO_AVX512BF16 = ["-mno-avx512bf16"]
 # without AMX, where they are faster than fp32 FMAs (AMD EPYC: the tiled kernel 1.24x faster than
 # the portable build, scripts/bench_cpu_kernels.py --bf16-only); on AMX CPUs they measured slower
 _TILE_DPBF16 = ["-DBATCHGEN_TILE_DPBF16"]
+# the AVX2 cap (cpu_features.avx2_only): no AVX-512 of any kind (GCC drops every AVX-512 subset
+# with avx512f), so the kernels take their 8-lane AVX2 paths
+_NO_AVX512 = ["-mno-avx512f"]
 _DTYPES = (torch.float32, torch.bfloat16)
 # (cache dtype, compute dtype) pairs the kernels serve
 _KV_DTYPES = frozenset(
@@ -212,6 +215,8 @@ class CpuKernels:
         self.gemm_dpbf16 = bool(_bind(lib.cpu_kernels_gemm_dpbf16, ctypes.c_int)())
         # whether bf16 attention uses the AVX512-BF16 dot products (else the portable path)
         self.avx512bf16 = bool(_bind(lib.cpu_kernels_avx512bf16, ctypes.c_int)())
+        # the fp32 lanes of the attention tiles' vectors: 16 (AVX-512 builds) or 8 (AVX2)
+        self.lanes = int(_bind(lib.cpu_kernels_lanes, ctypes.c_int)())
 
     def supports_kv_dtype(self, cache_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
         """Whether attention and the store serve a KV cache of ``cache_dtype`` with q, k, v (and
@@ -660,13 +665,16 @@ class CpuKernels:
 def build(avx512bf16: bool = True) -> CpuKernels | None:
     """Compile (or find cached) and load a library; None when no compiler is found or the build
     fails (logged). ``avx512bf16=False``: the portable bf16 code even where the CPU has the
-    AVX512-BF16 instructions (the fp32 kernels are the same in both builds)."""
+    AVX512-BF16 instructions (the fp32 kernels are the same in both builds). Under the AVX2 cap
+    (``cpu_features.avx2_only``) both variants are built without AVX-512."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: the CPU path uses slower PyTorch ops")
         return None
     flags = _FLAGS if avx512bf16 else _FLAGS + _NO_AVX512BF16
-    if "AMX-BF16" not in bf16_support().features:
+    if avx2_only():
+        flags = flags + _NO_AVX512
+    elif "AMX-BF16" not in bf16_support().features:
         flags = flags + _TILE_DPBF16
     try:
         return CpuKernels(_compile(cc, flags))

@@ -172,6 +172,90 @@ static inline __attribute__((always_inline)) void pv_v16(const float *scores, co
         for (int c = 0; c < D / 16; c++) store16(out + g * D + 16 * c, o[g * (D / 16) + c]);
 }
 
+#if VL == 8
+/* qk_v16 and pv_v16 at AVX2's 8 lanes (builds without AVX-512, where GCC keeps a v16 on the
+ * stack): the same scores and sums in registers of 8 lanes and 16 of them, so a chunk holds
+ * 8/G keys (G <= 8), a key row is read 8 elements at a time (not kept whole), and p.v runs over
+ * column slices of at most 12 accumulators. Each output's sum over keys runs in the same order
+ * as pv_v16's; q.k sums its 8 lanes, not 16, in hsum8's order. */
+static inline __attribute__((always_inline)) void qk_v8(const float *qs, const void *k_base,
+                                                        const void *v_base, const float *ks,
+                                                        const int64_t *key_off, int n, const int G,
+                                                        const int D, const int BF, const int I8,
+                                                        float *scores) {
+    const int KPC = 8 / G; /* keys per chunk */
+    for (int jj = 0; jj < PREFETCH && jj < n; jj++)
+        prefetch_row(at_kv(k_base, key_off[jj], BF, I8), D, BF, I8);
+    for (int j0 = 0; j0 < n; j0 += KPC) {
+        vn acc[8];
+        for (int i = KPC * G; i < 8; i++) acc[i] = (vn){0};
+        for (int jj = 0; jj < KPC; jj++) { /* as in qk_v16 */
+            const int ahead = j0 + jj + PREFETCH < n ? j0 + jj + PREFETCH : n - 1;
+            prefetch_row(at_kv(k_base, key_off[ahead], BF, I8), D, BF, I8);
+            prefetch_row(at_kv(v_base, key_off[j0 + jj < n ? j0 + jj : n - 1], BF, I8), D, BF, I8);
+        }
+        for (int jj = 0; jj < KPC; jj++) {
+            const int64_t kp = key_off[j0 + jj < n ? j0 + jj : n - 1];
+            for (int c = 0; c < D / 8; c++) {
+                const vn kc = loadn_kv(k_base, kp + 8 * c, BF, I8);
+                for (int g = 0; g < G; g++) {
+                    const vn qc = loadn(qs + g * D + 8 * c);
+                    acc[jj * G + g] = c == 0 ? qc * kc : acc[jj * G + g] + qc * kc;
+                }
+            }
+        }
+        float r[8];
+        storen(r, hsum8(acc));
+        const int m = n - j0 < KPC ? n - j0 : KPC;
+        for (int jj = 0; jj < m; jj++) {
+            const float sk = I8 ? ks[key_off[j0 + jj] / D] : 1.0f;
+            for (int g = 0; g < G; g++)
+                scores[g * n + j0 + jj] = I8 ? r[jj * G + g] * sk : r[jj * G + g];
+        }
+    }
+}
+
+/* columns of out each pass of pv_v8 sums: G x cols/8 accumulators, at most 12 (of 16 ymm), and
+ * a divisor of D (a multiple of 16) */
+static inline __attribute__((always_inline)) int pv_v8_cols(const int G, const int D) {
+    int cols = 12 / G * 8;
+    if (cols > D) cols = D;
+    while (D % cols) cols -= 8;
+    return cols;
+}
+
+static inline __attribute__((always_inline)) void pv_v8(const float *scores, const void *v_base,
+                                                        const float *vs, const int64_t *key_off,
+                                                        int n, const int G, const int D,
+                                                        const int BF, const int I8, float *out) {
+    const int cols = pv_v8_cols(G, D), W = pv_v8_cols(G, D) / 8;
+    for (int c0 = 0; c0 < D; c0 += cols) {
+        vn o[12];
+        for (int i = 0; i < G * W; i++) o[i] = (vn){0};
+        for (int j = 0; j < n; j++) {
+            const int64_t vp = key_off[j];
+            if (c0 == 0)
+                prefetch_row(at_kv(v_base, key_off[j + PREFETCH < n ? j + PREFETCH : n - 1], BF,
+                                   I8), D, BF, I8);  /* the first pass brings the rows in */
+            vn vv[12];
+            for (int c = 0; c < W; c++) vv[c] = loadn_kv(v_base, vp + c0 + 8 * c, BF, I8);
+            const float sv = I8 ? vs[vp / D] : 1.0f;
+            for (int g = 0; g < G; g++) {
+                const float p = I8 ? scores[g * n + j] * sv : scores[g * n + j];
+                for (int c = 0; c < W; c++) o[g * W + c] += p * vv[c];
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < W; c++) storen(out + g * D + c0 + 8 * c, o[g * W + c]);
+    }
+}
+#define qk_vec qk_v8
+#define pv_vec pv_v8
+#else
+#define qk_vec qk_v16
+#define pv_vec pv_v16
+#endif
+
 /* One query token of one (sequence, KV head): G rows of q against n keys whose rows start at
  * k_cache/v_cache + key_off[j] + kv_head*D (elements). With fast = 1, G <= 16 and D is a
  * multiple of 16, both compile-time constants (see attend_row_group_dispatch); BF (constant):
@@ -207,7 +291,7 @@ static inline __attribute__((always_inline)) void attend_row_group(
 #pragma omp simd
         for (int i = 0; i < G * D; i++) qs[i] = load1_any(q_h, i, BF) * a->scale;
         if (fast) {
-            qk_v16(qs, k_base, v_base, ks, key_off, n, G, D, BF, I8, scores);
+            qk_vec(qs, k_base, v_base, ks, key_off, n, G, D, BF, I8, scores);
         } else {
             for (int j = 0; j < n; j++) {
                 const void *kp = at_kv(k_base, key_off[j], BF, I8);
@@ -232,7 +316,7 @@ static inline __attribute__((always_inline)) void attend_row_group(
     /* out[g] = sum_j p[g][j] v_j, in fp32: straight into out, or into acc and then rounded */
     float *dst = obf ? acc : (float *)out_h;
     if (fast) {
-        pv_v16(scores, v_base, vs, key_off, n, G, D, BF, I8, dst);
+        pv_vec(scores, v_base, vs, key_off, n, G, D, BF, I8, dst);
     } else {
         memset(acc, 0, sizeof(float) * G * D);
         for (int j = 0; j < n; j++) {

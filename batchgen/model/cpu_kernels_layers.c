@@ -57,6 +57,16 @@ static inline v16 silu_mul16(v16 g, v16 u) {
     return g * (num / (1.0f + e)) * u;
 }
 
+/* silu_mul16 at the native width (the same lane-wise arithmetic: a v16 off AVX-512 goes through
+ * the stack) */
+static inline vn silu_muln(vn g, vn u) {
+    const vin sign = (vin){0} + INT32_MIN;
+    vn e = expn_nonpos((vn)((vin)g | sign));
+    vin neg = g < 0.0f;
+    vn num = (vn)(((vin)e & neg) | ((vin)(e * 0.0f + 1.0f) & ~neg));
+    return g * (num / (1.0f + e)) * u;
+}
+
 /* SwiGLU activation in place: g[t] <- silu(g[t]) * u[t] with g, u the two halves of row t of
  * gate_up [T, 2I] (contiguous). */
 void silu_mul_f32(float *gate_up, int64_t num_rows, int64_t inter) {
@@ -67,12 +77,12 @@ void silu_mul_f32(float *gate_up, int64_t num_rows, int64_t inter) {
         float *g = gate_up + t * 2 * inter;
         const float *u = g + inter;
         int64_t i = 0;
-        for (; i + 16 <= inter; i += 16) store16(g + i, silu_mul16(load16(g + i), load16(u + i)));
+        for (; i + VL <= inter; i += VL) storen(g + i, silu_muln(loadn(g + i), loadn(u + i)));
         if (i < inter) {
-            float gb[16] = {0}, ub[16] = {0}, yb[16];
+            float gb[VL] = {0}, ub[VL] = {0}, yb[VL];
             memcpy(gb, g + i, sizeof(float) * (inter - i));
             memcpy(ub, u + i, sizeof(float) * (inter - i));
-            store16(yb, silu_mul16(load16(gb), load16(ub)));
+            storen(yb, silu_muln(loadn(gb), loadn(ub)));
             memcpy(g + i, yb, sizeof(float) * (inter - i));
         }
     }
@@ -172,6 +182,9 @@ int cpu_kernels_avx512bf16(void) {
     return 0;
 #endif
 }
+
+/* the fp32 lanes of the tiles' vectors: 16 in AVX-512 builds, 8 in AVX2 ones */
+int cpu_kernels_lanes(void) { return VL; }
 
 /* ---- the sampler's counter-based noise (batchgen/engine/sampler.py, bit for bit) ---- */
 

@@ -241,6 +241,30 @@ static inline __attribute__((always_inline)) float load1_kv(const void *p, int64
     return i8 ? (float)((const int8_t *)p)[i] : load1_any(p, i, bf);
 }
 
+/* VL K/V cache elements from i as fp32, unscaled (int8: the integers): load16_kv at the native
+ * width */
+static inline __attribute__((always_inline)) vn loadn_kv(const void *p, int64_t i, const int bf,
+                                                         const int i8) {
+#if VL == 16
+    return load16_kv(p, i, bf, i8);
+#else
+    if (i8) {
+        typedef int8_t vc8 __attribute__((vector_size(8), aligned(1)));
+        vc8 c;
+        memcpy(&c, (const int8_t *)p + i, sizeof c);
+        return __builtin_convertvector(__builtin_convertvector(c, vin), vn);
+    }
+    if (bf) {
+        typedef uint16_t vh8 __attribute__((vector_size(16), aligned(2)));
+        typedef uint32_t vu8 __attribute__((vector_size(32)));
+        vh8 h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        return (vn)(__builtin_convertvector(h, vu8) << 16);
+    }
+    return loadn((const float *)p + i);
+#endif
+}
+
 /* dst[0..D) (fp32) <- the cache row at element off (fp32, bf16 or, i8, int8 dequantized as
  * q * scales[off / D] in fp32: the reference's dequantize_kv_ref exactly) */
 static void load_kv_row(float *dst, const void *cache, const float *scales, int64_t off, int D,
@@ -256,29 +280,30 @@ static void load_kv_row(float *dst, const void *cache, const float *scales, int6
     for (; i < D; i++) dst[i] = (float)src[i] * sc;
 }
 
-/* s[0..n) <- softmax(s) in place (n >= 1); *lse <- log(sum(exp(s))) when lse is not NULL. */
+/* s[0..n) <- softmax(s) in place (n >= 1); *lse <- log(sum(exp(s))) when lse is not NULL. In
+ * vectors of the native width (VL lanes: each lane's partial sum, then the lanes in order). */
 static void softmax_row(float *s, int n, float *lse) {
-    const int full = n & ~15;
-    float tail[16];
+    const int full = n & ~(VL - 1);
+    float tail[VL];
     const int rest = n - full;
-    for (int i = 0; i < 16; i++) tail[i] = i < rest ? s[full + i] : -INFINITY;
-    v16 mv = load16(tail);
-    for (int j = 0; j < full; j += 16) mv = max16(mv, load16(s + j));
+    for (int i = 0; i < VL; i++) tail[i] = i < rest ? s[full + i] : -INFINITY;
+    vn mv = loadn(tail);
+    for (int j = 0; j < full; j += VL) mv = maxn(mv, loadn(s + j));
     float m = mv[0];
-    for (int i = 1; i < 16; i++) m = mv[i] > m ? mv[i] : m;
-    v16 sum = {0};
-    for (int j = 0; j < full; j += 16) {
-        v16 e = exp16_nonpos(load16(s + j) - m);
-        store16(s + j, e);
+    for (int i = 1; i < VL; i++) m = mv[i] > m ? mv[i] : m;
+    vn sum = {0};
+    for (int j = 0; j < full; j += VL) {
+        vn e = expn_nonpos(loadn(s + j) - m);
+        storen(s + j, e);
         sum += e;
     }
-    v16 et = exp16_nonpos(load16(tail) - m); /* -inf lanes give 0 */
+    vn et = expn_nonpos(loadn(tail) - m); /* -inf lanes give 0 */
     sum += et;
     float total = 0.0f;
-    for (int i = 0; i < 16; i++) total += sum[i];
+    for (int i = 0; i < VL; i++) total += sum[i];
     if (lse) *lse = m + logf(total);
     const float inv = 1.0f / total;
-    for (int j = 0; j < full; j += 16) store16(s + j, load16(s + j) * inv);
+    for (int j = 0; j < full; j += VL) storen(s + j, loadn(s + j) * inv);
     et *= inv;
     for (int i = 0; i < rest; i++) s[full + i] = et[i];
 }
@@ -306,3 +331,18 @@ static inline v16 hsum16(const v16 *a) {
            __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
                                    29, 31);
 }
+
+#if VL == 8
+/* r[i] = sum of the 8 lanes of a[i], i < 8: hsum16's tree at 8 lanes (7 vector adds). */
+static inline vn hsum8(const vn *a) {
+    vn t[4], u[2];
+    for (int i = 0; i < 4; i++) /* lanes 0-3: a[2i]'s 4 partials, 4-7: a[2i+1]'s */
+        t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++) /* 2-lane partials of 4 vectors */
+        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
