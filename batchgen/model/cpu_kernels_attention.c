@@ -57,6 +57,19 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *p, co
     for (int c = 0; c < D * (I8 ? 1 : BF ? 2 : 4); c += 64) __builtin_prefetch((const char *)p + c);
 }
 
+/* A chunk's dot products r[jj*G + g] (key j0 + jj, row g; jj < KPC) into scores[g*n + j0 + jj]
+ * for the keys below n, times each key's scale for int8 keys (I8). */
+static inline __attribute__((always_inline)) void store_chunk_scores(
+    const float *r, int j0, int n, const int KPC, const int G, const int D, const int I8,
+    const float *ks, const int64_t *key_off, float *scores) {
+    const int m = n - j0 < KPC ? n - j0 : KPC;
+    for (int jj = 0; jj < m; jj++) {
+        const float sk = I8 ? ks[key_off[j0 + jj] / D] : 1.0f;
+        for (int g = 0; g < G; g++)
+            scores[g * n + j0 + jj] = I8 ? r[jj * G + g] * sk : r[jj * G + g];
+    }
+}
+
 /* scores[g*n + j] = qs[g] . k_j for the n keys at k_base + key_off[j] (elements; fp32, or bf16
  * keys (BF), or int8 keys (I8): then k_j = ks[key_off[j] / D] * the integers, the scale applied
  * once to the fp32 dot product). Keys go in chunks of 16/G (rounded down) so that one hsum16
@@ -94,12 +107,7 @@ static inline __attribute__((always_inline)) void qk_v16(const float *qs, const 
         }
         float r[16];
         store16(r, hsum16(acc));
-        const int m = n - j0 < KPC ? n - j0 : KPC;
-        for (int jj = 0; jj < m; jj++) {
-            const float sk = I8 ? ks[key_off[j0 + jj] / D] : 1.0f;
-            for (int g = 0; g < G; g++)
-                scores[g * n + j0 + jj] = I8 ? r[jj * G + g] * sk : r[jj * G + g];
-        }
+        store_chunk_scores(r, j0, n, KPC, G, D, I8, ks, key_off, scores);
     }
 }
 
@@ -206,12 +214,7 @@ static inline __attribute__((always_inline)) void qk_v8(const float *qs, const v
         }
         float r[8];
         storen(r, hsum8(acc));
-        const int m = n - j0 < KPC ? n - j0 : KPC;
-        for (int jj = 0; jj < m; jj++) {
-            const float sk = I8 ? ks[key_off[j0 + jj] / D] : 1.0f;
-            for (int g = 0; g < G; g++)
-                scores[g * n + j0 + jj] = I8 ? r[jj * G + g] * sk : r[jj * G + g];
-        }
+        store_chunk_scores(r, j0, n, KPC, G, D, I8, ks, key_off, scores);
     }
 }
 
