@@ -382,35 +382,39 @@ def test_batchgen_repeats_bracket_the_peers_runs(bench, monkeypatch, tmp_path, r
     assert order == expected
 
 
-def test_cpu_isa_avx2_caps_every_engine(bench, monkeypatch, tmp_path):
-    """--cpu-isa avx2: the caps of torch, oneDNN, MKL and batchgen go into the environment, the
-    CPU reads as AVX2-only (no native bf16: users' dtype fp32), and vLLM's worker gets a
-    sitecustomize that answers torch.cpu's AVX-512 and AMX checks with False."""
+def test_cpu_isa_avx2_caps_the_environment_and_the_cpu(bench, monkeypatch, tmp_path):
+    """--cpu-isa avx2: the caps of torch, oneDNN, MKL and batchgen go into the environment, and
+    the CPU reads as AVX2-only (no native bf16: users' dtype fp32)."""
     import os
-    import subprocess
 
-    for name in bench.AVX2_ENV:
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(
+        os, "environ", {k: v for k, v in os.environ.items() if k not in bench.AVX2_ENV}
+    )
     monkeypatch.setattr(bench.Path, "read_text", lambda self, *a, **k: CPUINFO)
     assert bench.cpu_info()["native_bf16"] and bench.cpu_info()["isa_cap"] is None
     assert bench.parse_args(["--cpu-isa", "avx2"]).cpu_isa == "avx2"
-    monkeypatch.undo()
-    monkeypatch.setattr(os, "environ", dict(os.environ))  # apply_avx2_cap writes the env
-    site = bench.apply_avx2_cap(tmp_path)
+    bench.apply_avx2_cap(tmp_path)
     assert all(os.environ[k] == v for k, v in bench.AVX2_ENV.items())
-    monkeypatch.setattr(bench.Path, "read_text", lambda self, *a, **k: CPUINFO)
     info = bench.cpu_info()
     assert info["isa_cap"] == "avx2" and not info["native_bf16"]
     assert info["flags"]["avx2"] and not any(info["flags"][f] for f in bench.AVX512_FLAGS)
     assert "capped at AVX2" in bench.format_machine(info, {"rates": {}, "threads": 2}, "2.13.0")
-    monkeypatch.undo()
-    text = (site / "sitecustomize.py").read_text()
-    namespace: dict = {}
+
+
+def test_cpu_isa_avx2_gives_vllm_a_sitecustomize(bench, monkeypatch, tmp_path):
+    """Under the cap vLLM's worker runs with a sitecustomize first on its PYTHONPATH, which
+    answers torch.cpu's AVX-512 and AMX checks with False."""
+    import argparse
+    import os
+    import subprocess
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    site = bench.apply_avx2_cap(tmp_path)
     fake_cpu = type("cpu", (), {"_is_avx512_supported": lambda: True})
-    fake_torch = type("torch", (), {"cpu": fake_cpu})
-    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setitem(sys.modules, "torch", type("torch", (), {"cpu": fake_cpu}))
     monkeypatch.setitem(sys.modules, "torch.cpu", fake_cpu)
-    exec(compile(text, "sitecustomize.py", "exec"), namespace)
+    code = (site / "sitecustomize.py").read_text()
+    exec(compile(code, "sitecustomize.py", "exec"), {})
     assert fake_cpu._is_avx512_supported() is False
 
     seen: dict = {}
@@ -419,10 +423,7 @@ def test_cpu_isa_avx2_caps_every_engine(bench, monkeypatch, tmp_path):
         seen.update(kw["env"])
         raise subprocess.TimeoutExpired(cmd, 1)
 
-    monkeypatch.setattr(os, "environ", dict(os.environ, **bench.AVX2_ENV))
     monkeypatch.setattr(bench.subprocess, "run", run)
-    import argparse
-
     args = argparse.Namespace(
         out=tmp_path, vllm_omp_threads=None, threads=None, vllm_venv=tmp_path, vllm_timeout=1
     )
