@@ -695,10 +695,17 @@ def test_prefix_attention_merge_many_rows(flavor: Flavor, num_rows: int) -> None
                                atol=2e-5, rtol=1e-5)  # fmt: skip
 
 
-@pytest.mark.parametrize("vocab", [1, 16, 17, 4099])
-def test_race_draw_matches_float64_race(kernel: CpuKernels, vocab: int) -> None:
+@pytest.fixture(params=["native", "avx2"])
+def race_kernel(request: pytest.FixtureRequest) -> CpuKernels:
+    """The build for this CPU, and the AVX2 build (8 lanes; skipped where that is the native)."""
+    return kernels_of("native") if request.param == "native" else avx2_kernels()
+
+
+@pytest.mark.parametrize("vocab", [1, 8, 9, 16, 17, 4099])
+def test_race_draw_matches_float64_race(race_kernel: CpuKernels, vocab: int) -> None:
     """The fused draw is argmax_j softmax(x / T)_j / E_j with the sampler's noise, first index on
     ties; checked against the race in float64 on every row whose winner is not a near-tie."""
+    kernel = race_kernel
     gen = torch.Generator().manual_seed(vocab)
     rows = 300
     scale = torch.tensor([0.1, 1.0, 5.0, 40.0]).repeat(rows // 4)[:, None]
@@ -723,9 +730,10 @@ def test_race_draw_matches_float64_race(kernel: CpuKernels, vocab: int) -> None:
     assert bool(((got >= 0) & (got < vocab)).all())
 
 
-def test_race_draw_is_the_samplers_plain_draw(kernel: CpuKernels) -> None:
+def test_race_draw_is_the_samplers_plain_draw(race_kernel: CpuKernels) -> None:
     """sample() on CPU draws the same tokens with the C race as with the PyTorch formula
     (temperature only), row by row, at every temperature."""
+    kernel = race_kernel
     gen = torch.Generator().manual_seed(9)
     rows, vocab = 64, 1000
     logits = torch.randn(rows, vocab, generator=gen) * 4

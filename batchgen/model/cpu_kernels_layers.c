@@ -267,6 +267,46 @@ static inline v16 uniform16(uint64_t st, int64_t j0) {
     return -max16(-u, (v16){0} - (1.0f - 0x1p-24f)); /* min(u, 1 - 2^-24) */
 }
 
+#if VL == 16
+#define uniformn uniform16
+#define anyn any16
+#else
+typedef uint64_t vu4 __attribute__((vector_size(32), aligned(8)));
+
+/* mix64 on 4 lanes */
+static inline vu4 mix64x4(vu4 z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* uniform16 at AVX2's 8 lanes: the hashed uniforms of ids j0 .. j0+7, lane for lane the same */
+static inline vn uniformn(uint64_t st, int64_t j0) {
+    const uint64_t gamma = 0x9E3779B97F4A7C15ULL;
+    const vu4 lane = {1, 2, 3, 4};
+    const vu4 z0 = mix64x4((lane + (uint64_t)j0) * gamma + st);
+    const vu4 z1 = mix64x4((lane + (uint64_t)(j0 + 4)) * gamma + st);
+    typedef int32_t vi4 __attribute__((vector_size(16)));
+    /* the 24-bit fields, narrowed to int32 (exact) before the conversion to float */
+    const vi4 h0 = __builtin_convertvector((z0 >> 40) & 0xFFFFFF, vi4);
+    const vi4 h1 = __builtin_convertvector((z1 >> 40) & 0xFFFFFF, vi4);
+    const vi4 l0 = __builtin_convertvector((z0 >> 16) & 0xFFFFFF, vi4);
+    const vi4 l1 = __builtin_convertvector((z1 >> 16) & 0xFFFFFF, vi4);
+    const vn hi = __builtin_convertvector(__builtin_shufflevector(h0, h1, 0, 1, 2, 3, 4, 5, 6, 7), vn);
+    const vn lo = __builtin_convertvector(__builtin_shufflevector(l0, l1, 0, 1, 2, 3, 4, 5, 6, 7), vn);
+    vn u = hi * 0x1p-24f + lo * 0x1p-48f;
+    u = maxn(u, (vn){0} + 0x1p-49f);
+    return -maxn(-u, (vn){0} - (1.0f - 0x1p-24f)); /* min(u, 1 - 2^-24) */
+}
+
+/* whether any lane of a comparison result is set */
+static inline int anyn(vin m) {
+    typedef int32_t vi4 __attribute__((vector_size(16)));
+    const vi4 b = __builtin_shufflevector(m, m, 0, 1, 2, 3) | __builtin_shufflevector(m, m, 4, 5, 6, 7);
+    return (b[0] | b[1] | b[2] | b[3]) != 0;
+}
+#endif
+
 void race_draw_f32(const float *x, int64_t x_stride, const float *temperature,
                    const int64_t *state, int64_t num_rows, int64_t vocab, int64_t *tokens) {
     const float margin = 1.0f - 0x1p-20f;
@@ -277,38 +317,38 @@ void race_draw_f32(const float *x, int64_t x_stride, const float *temperature,
         const float *row = x + r * x_stride;
         const float t = temperature[r];
         const uint64_t st = (uint64_t)state[r];
-        const int64_t full = vocab & ~(int64_t)15;
+        const int64_t full = vocab & ~(int64_t)(VL - 1);
         const int rest = (int)(vocab - full);
-        float tail[16];
-        for (int i = 0; i < 16; i++) tail[i] = i < rest ? row[full + i] / t : -INFINITY;
+        float tail[VL];
+        for (int i = 0; i < VL; i++) tail[i] = i < rest ? row[full + i] / t : -INFINITY;
         /* pass 1: m = max s and its first index; per lane the first index of the lane's max */
-        v16 mv = (v16){0} - INFINITY;
-        vi16 mi = {0};
-        const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        for (int64_t j = 0; j < vocab; j += 16) {
-            const v16 sv = j < full ? load16(row + j) / t : load16(tail);
-            const vi16 gt = sv > mv;
-            mv = (v16)(((vi16)sv & gt) | ((vi16)mv & ~gt));
+        vn mv = (vn){0} - INFINITY;
+        vin mi = {0}, lane;
+        for (int i = 0; i < VL; i++) lane[i] = i;
+        for (int64_t j = 0; j < vocab; j += VL) {
+            const vn sv = j < full ? loadn(row + j) / t : loadn(tail);
+            const vin gt = sv > mv;
+            mv = (vn)(((vin)sv & gt) | ((vin)mv & ~gt));
             mi = ((lane + (int32_t)j) & gt) | (mi & ~gt);
         }
         float m = mv[0];
-        for (int i = 1; i < 16; i++) m = mv[i] > m ? mv[i] : m;
+        for (int i = 1; i < VL; i++) m = mv[i] > m ? mv[i] : m;
         int64_t best = vocab;
-        for (int i = 0; i < 16; i++)
+        for (int i = 0; i < VL; i++)
             if (mv[i] == m && mi[i] < best) best = mi[i];
-        /* pass 2: the race, 16 tokens at a time; at the maximum w = exp(0) = 1 */
-        float u_best[16];
-        store16(u_best, uniform16(st, best));
+        /* pass 2: the race, VL tokens at a time; at the maximum w = exp(0) = 1 */
+        float u_best[VL];
+        storen(u_best, uniformn(st, best));
         float best_r = 1.0f / -log1pf(-u_best[0]);
-        for (int64_t j0 = 0; j0 < vocab; j0 += 16) {
-            const v16 u = uniform16(st, j0);
+        for (int64_t j0 = 0; j0 < vocab; j0 += VL) {
+            const vn u = uniformn(st, j0);
             /* w <= 1: a lane with u * best_r * margin >= 1 cannot pass; most chunks stop here */
-            if (!any16(u * (best_r * margin) < 1.0f)) continue;
-            const v16 s = j0 < full ? load16(row + j0) / t : load16(tail);
-            const v16 w = exp16_nonpos(s - m);
-            const vi16 pass = w > u * (best_r * margin);
-            if (!any16(pass)) continue;
-            for (int i = 0; i < 16; i++) {
+            if (!anyn(u * (best_r * margin) < 1.0f)) continue;
+            const vn s = j0 < full ? loadn(row + j0) / t : loadn(tail);
+            const vn w = expn_nonpos(s - m);
+            const vin pass = w > u * (best_r * margin);
+            if (!anyn(pass)) continue;
+            for (int i = 0; i < VL; i++) {
                 if (!pass[i] || j0 + i >= vocab) continue;
                 const float ratio = w[i] / -log1pf(-u[i]);
                 if (ratio > best_r || (ratio == best_r && j0 + i < best)) {
