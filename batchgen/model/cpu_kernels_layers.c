@@ -188,11 +188,15 @@ int cpu_kernels_lanes(void) { return VL; }
 
 /* ---- the sampler's counter-based noise (batchgen/engine/sampler.py, bit for bit) ---- */
 
-static inline uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
+/* the sampler's 64-bit mix (SplitMix64's finalizer), defined for a scalar or vector type T of
+ * uint64 lanes */
+#define MIX64_FOR(NAME, T)                                                                    \
+    static inline T NAME(T z) {                                                               \
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;                                           \
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;                                           \
+        return z ^ (z >> 31);                                                                 \
+    }
+MIX64_FOR(mix64, uint64_t)
 
 /* u[r, j] for r < S, j < K: z = (ids[r, j] + 1) * GAMMA + state[r] (mod 2^64), mixed; 48 bits
  * as hi * 2^-24 + lo * 2^-48 (one rounding), clamped to [2^-49, 1 - 2^-24]. ids row r at
@@ -242,11 +246,7 @@ static inline int any16(vi16 m) {
 }
 
 /* mix64 on 8 lanes */
-static inline vu8 mix64x8(vu8 z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
+MIX64_FOR(mix64x8, vu8)
 
 /* the hashed uniforms of ids j0 .. j0+15 of a row with state st (uniform_noise_f32's formula) */
 static inline v16 uniform16(uint64_t st, int64_t j0) {
@@ -274,11 +274,7 @@ static inline v16 uniform16(uint64_t st, int64_t j0) {
 typedef uint64_t vu4 __attribute__((vector_size(32), aligned(8)));
 
 /* mix64 on 4 lanes */
-static inline vu4 mix64x4(vu4 z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
+MIX64_FOR(mix64x4, vu4)
 
 /* uniform16 at AVX2's 8 lanes: the hashed uniforms of ids j0 .. j0+7, lane for lane the same */
 static inline vn uniformn(uint64_t st, int64_t j0) {
