@@ -231,7 +231,7 @@ static inline __attribute__((always_inline)) void pv_v8(const float *scores, con
                                                         const float *vs, const int64_t *key_off,
                                                         int n, const int G, const int D,
                                                         const int BF, const int I8, float *out) {
-    const int cols = pv_v8_cols(G, D), W = pv_v8_cols(G, D) / 8;
+    const int cols = pv_v8_cols(G, D), W = cols / 8; /* W registers per row */
     for (int c0 = 0; c0 < D; c0 += cols) {
         vn o[12];
         for (int i = 0; i < G * W; i++) o[i] = (vn){0};

@@ -48,24 +48,19 @@ void rope_f32(float *x, int64_t x_stride, const float *cos_t, const float *sin_t
     }
 }
 
-/* silu(g) * u lane-wise: g * sigmoid(g) with sigmoid from e = exp(-|g|) (never overflows). */
-static inline v16 silu_mul16(v16 g, v16 u) {
-    const vi16 sign = (vi16){0} + INT32_MIN; /* the sign bit in every lane */
-    v16 e = exp16_nonpos((v16)((vi16)g | sign));
-    vi16 neg = g < 0.0f;
-    v16 num = (v16)(((vi16)e & neg) | ((vi16)(e * 0.0f + 1.0f) & ~neg)); /* e if g < 0 else 1 */
-    return g * (num / (1.0f + e)) * u;
-}
-
-/* silu_mul16 at the native width (the same lane-wise arithmetic: a v16 off AVX-512 goes through
- * the stack) */
-static inline vn silu_muln(vn g, vn u) {
-    const vin sign = (vin){0} + INT32_MIN;
-    vn e = expn_nonpos((vn)((vin)g | sign));
-    vin neg = g < 0.0f;
-    vn num = (vn)(((vin)e & neg) | ((vin)(e * 0.0f + 1.0f) & ~neg));
-    return g * (num / (1.0f + e)) * u;
-}
+/* silu(g) * u lane-wise: g * sigmoid(g) with sigmoid from e = exp(-|g|) (never overflows);
+ * defined for a vector type V (VI: its int32 twin, EXP: exp of its non-positive lanes) */
+#define SILU_MUL_FOR(NAME, V, VI, EXP)                                                          \
+    static inline V NAME(V g, V u) {                                                            \
+        const VI sign = (VI){0} + INT32_MIN; /* the sign bit in every lane */                   \
+        V e = EXP((V)((VI)g | sign));                                                           \
+        VI neg = g < 0.0f;                                                                      \
+        V num = (V)(((VI)e & neg) | ((VI)(e * 0.0f + 1.0f) & ~neg)); /* e if g < 0 else 1 */   \
+        return g * (num / (1.0f + e)) * u;                                                      \
+    }
+SILU_MUL_FOR(silu_mul16, v16, vi16, exp16_nonpos)
+/* at the native width (a v16 off AVX-512 goes through the stack) */
+SILU_MUL_FOR(silu_muln, vn, vin, expn_nonpos)
 
 /* SwiGLU activation in place: g[t] <- silu(g[t]) * u[t] with g, u the two halves of row t of
  * gate_up [T, 2I] (contiguous). */
