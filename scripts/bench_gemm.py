@@ -1,11 +1,12 @@
 """GEMM speed of the linear layers at the engine's step shapes: oneDNN-packed bf16
 (batchgen/model/onednn_linear.py) and the C kernels' AVX512-BF16 GEMM
-(batchgen/model/dpbf16_linear.py, where the CPU has AVX512-BF16) vs ``F.linear`` bf16, and
+(batchgen/model/kernel_linear.py, where the CPU has AVX512-BF16) vs ``F.linear`` bf16, and
 MKL-packed fp32 (batchgen/model/packed_linear.py) for reference, on the benchmark model's
 layers, a Qwen2.5-0.5B-class model's and SmolLM2-135M's.
 
     python scripts/bench_gemm.py [--threads 2] [--models bench,qwen,smollm2] [--ms 1,8,64]
                                  [--hints] [--invariance] [--stream 30]
+                                 [--stream-dtype bfloat16|float32]
                                  [--json bench-out/gemm.json]
 
 - the table: GFLOP/s per layer and row count M, of the product and of the residual form
@@ -16,7 +17,8 @@ layers, a Qwen2.5-0.5B-class model's and SmolLM2-135M's.
   batch-size hint of ``_reorder_linear_weight``), including the exact M;
 - ``--stream L``: a whole model's projections as a step runs them (qkv, o, gate_up, down of L
   layers, every layer's weights distinct: read from memory, not cache, when they exceed it),
-  oneDNN-packed against the AVX512-BF16 GEMM, milliseconds per pass and their ratio per M;
+  oneDNN-packed against the C kernels' GEMM (``--stream-dtype``: bf16, the AVX512-BF16 one, or
+  fp32, the FMA one), milliseconds per pass and their ratio per M;
 - ``--invariance``: for each layer, the row counts M at which the first rows of a product
   differ (bitwise) from the same rows computed one at a time, packed and ``F.linear``; and how
   often an output differs from ``(x.float() @ w.float().t()).bfloat16()`` (one rounding of an
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchgen.model import cpu_kernels, dpbf16_linear, onednn_linear, packed_linear
+from batchgen.model import cpu_kernels, kernel_linear, onednn_linear, packed_linear
 
 # (layer, out_features N, in_features K, bias)
 MODELS: dict[str, list[tuple[str, int, int, bool]]] = {
@@ -104,15 +106,16 @@ def packed_add_(onednn: onednn_linear.OneDnn, res: Tensor, x: Tensor, packed: Te
     return res.copy_(onednn.linear_add(x, res, packed, None))
 
 
-def dpbf16() -> dpbf16_linear.Dpbf16 | None:
-    """The AVX512-BF16 GEMM, or None where the CPU or the kernels' build lacks it."""
-    return dpbf16_linear.for_dtype(torch.device("cpu"), torch.bfloat16, cpu_kernels.load())
+def kernel_gemm(dtype: torch.dtype = torch.bfloat16) -> kernel_linear.KernelGemm | None:
+    """The C kernels' GEMM in ``dtype`` (bf16: the AVX512-BF16 one), or None where the CPU or
+    the kernels' build lacks it."""
+    return kernel_linear.for_dtype(torch.device("cpu"), dtype, cpu_kernels.load())
 
 
 def table(models: list[str], ms: list[int], max_out: int, budget: float) -> list[dict]:
     onednn = onednn_linear.load()
     mkl = packed_linear.load()
-    dot = dpbf16()
+    dot = kernel_gemm()
     rows = []
     print(f"{'layer':>16} {'N':>6} {'K':>5} {'M':>5}  F.linear bf16  packed bf16  ratio  "
           "MKL fp32  addmm_ bf16  packed add_  dpbf16 bf16")  # fmt: skip
@@ -159,25 +162,27 @@ def table(models: list[str], ms: list[int], max_out: int, budget: float) -> list
     return rows
 
 
-def stream(models: list[str], ms: list[int], layers: int, budget: float) -> list[dict]:
+def stream(
+    models: list[str], ms: list[int], layers: int, budget: float, dtype: torch.dtype
+) -> list[dict]:
     """Milliseconds per pass over ``layers`` layers' projections (distinct weights per layer),
-    oneDNN-packed and AVX512-BF16, per M."""
-    onednn, dot = onednn_linear.load(), dpbf16()
-    assert onednn is not None and dot is not None, "needs oneDNN bf16 and the AVX512-BF16 GEMM"
+    oneDNN-packed and the C kernels' GEMM, in ``dtype``, per M."""
+    onednn, dot = onednn_linear.load(dtype), kernel_gemm(dtype)
+    assert onednn is not None and dot is not None, f"needs oneDNN and the C kernels' {dtype} GEMM"
     rows = []
-    print(f"\nwhole passes over {layers} layers' projections (weights read from memory): "
-          "ms per pass")  # fmt: skip
-    print(f"{'model':>10} {'M':>5}  {'oneDNN':>8}  {'dpbf16':>8}  ratio  dpbf16 GFLOP/s")
+    print(f"\nwhole passes over {layers} layers' projections (weights read from memory), "
+          f"{dtype}: ms per pass")  # fmt: skip
+    print(f"{'model':>10} {'M':>5}  {'oneDNN':>8}  {'kernel':>8}  ratio  kernel GFLOP/s")
     for model in models:
         shapes = [(n, k) for name, n, k, _ in MODELS[model] if name != "lm_head"]
-        weights = [[layer(n, k, False, seed=i * 8 + j)[0] for j, (n, k) in enumerate(shapes)]
-                   for i in range(layers)]  # fmt: skip
+        weights = [[layer(n, k, False, seed=i * 8 + j)[0].to(dtype)
+                    for j, (n, k) in enumerate(shapes)] for i in range(layers)]  # fmt: skip
         by_onednn = [[onednn.pack(w) for w in ws] for ws in weights]
         by_dot = [[dot.pack(w) for w in ws] for ws in weights]
         del weights
         flops_per_row = 2 * layers * sum(n * k for n, k in shapes)
         for m in ms:
-            xs = [torch.randn(m, k).bfloat16() for _, k in shapes]
+            xs = [torch.randn(m, k).to(dtype) for _, k in shapes]
 
             def run_onednn(xs: list[Tensor] = xs, packs: list = by_onednn) -> None:
                 for layer_packs in packs:
@@ -191,7 +196,8 @@ def stream(models: list[str], ms: list[int], layers: int, budget: float) -> list
 
             a = best_seconds(run_onednn, budget * 5, max_reps=10)
             d = best_seconds(run_dot, budget * 5, max_reps=10)
-            rows.append(dict(model=model, m=m, layers=layers, onednn_ms=a * 1e3, dpbf16_ms=d * 1e3))
+            rows.append(dict(model=model, m=m, layers=layers, dtype=str(dtype), onednn_ms=a * 1e3,
+                             kernel_ms=d * 1e3))  # fmt: skip
             print(f"{model:>10} {m:>5}  {a * 1e3:>8.2f}  {d * 1e3:>8.2f}  {a / d:>5.2f}  "
                   f"{flops_per_row * m / d / 1e9:>8.0f}", flush=True)  # fmt: skip
     return rows
@@ -284,6 +290,7 @@ def main() -> None:
     ap.add_argument("--hints", action="store_true")
     ap.add_argument("--invariance", action="store_true")
     ap.add_argument("--stream", type=int, default=0, metavar="L", help="layers per pass")
+    ap.add_argument("--stream-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--budget", type=float, default=0.2, help="seconds of calls per cell")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -294,7 +301,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"oneDNN bf16 packing: {onednn_linear.load() is not None}, "
           f"MKL fp32 packing: {packed_linear.load() is not None}, "
-          f"AVX512-BF16 GEMM: {dpbf16() is not None}")  # fmt: skip
+          f"AVX512-BF16 GEMM: {kernel_gemm() is not None}, "
+          f"fp32 kernel GEMM: {kernel_gemm(torch.float32) is not None}")  # fmt: skip
     result: dict = {}
     with torch.inference_mode():
         if not args.no_table:
@@ -302,7 +310,9 @@ def main() -> None:
         if args.hints:
             result["hints"] = hints(models, ms, args.max_out, args.budget)
         if args.stream:
-            result["stream"] = stream(models, ms, args.stream, args.budget)
+            result["stream"] = stream(
+                models, ms, args.stream, args.budget, getattr(torch, args.stream_dtype)
+            )
         if args.invariance:
             result["invariance"] = invariance(models, ms, args.max_out)
     if args.json:

@@ -54,13 +54,22 @@ def _onednn_fp32() -> bool:
     return onednn_linear.for_dtype(torch.device("cpu"), torch.float32) is not None
 
 
-def _dpbf16() -> bool:
+def _kernel_gemm(dtype_name: str) -> bool:
     import torch
 
-    from batchgen.model import cpu_kernels, dpbf16_linear
+    from batchgen.model import cpu_kernels, kernel_linear
 
     kernels = cpu_kernels.load()
-    return dpbf16_linear.for_dtype(torch.device("cpu"), torch.bfloat16, kernels) is not None
+    dtype = getattr(torch, dtype_name)
+    return kernel_linear.for_dtype(torch.device("cpu"), dtype, kernels) is not None
+
+
+def _dpbf16() -> bool:
+    return _kernel_gemm("bfloat16")
+
+
+def _kernel_fp32() -> bool:
+    return _kernel_gemm("float32")
 
 
 def _dpbf16_cpu() -> bool:
@@ -111,6 +120,7 @@ PATHS = {
     "onednn": ("oneDNN pre-packed bf16 GEMM weights", _onednn),
     "onednn_fp32": ("oneDNN pre-packed fp32 GEMM weights", _onednn_fp32),
     "dpbf16": ("the C kernels' AVX512-BF16 GEMM (CPUs without AMX)", _dpbf16),
+    "kernel_fp32": ("the C kernels' fp32 GEMM (AVX2 and FMA, or AVX-512)", _kernel_fp32),
     "ray": ("the Ray executor", _ray),
     "cuda": ("a CUDA GPU", _cuda),
     "native_bf16": ("native bf16 matrix instructions (AMX or AVX512-BF16)", _native_bf16),

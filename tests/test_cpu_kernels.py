@@ -134,6 +134,7 @@ def test_avx2_cap_builds_8_lane_kernels() -> None:
     CPU, whose own build has 16 lanes)."""
     kernel = avx2_kernels()
     assert kernel.lanes == 8 and not kernel.avx512bf16 and not kernel.gemm_dpbf16
+    assert kernel.gemm_f32
     assert kernels_of("native").lanes == 16
 
 

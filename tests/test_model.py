@@ -36,7 +36,7 @@ from batchgen.tiny_model import (
 )
 from tests.hf_reference import hf_logits
 from tests.jobkit import copy_model
-from tests.optional import available, require
+from tests.optional import require
 
 CPU = torch.device("cpu")
 
@@ -161,7 +161,7 @@ def load(model_dir: Path, native: bool, dtype: torch.dtype = torch.float32):
     ``F.linear``: the pure-PyTorch path)."""
     if native:
         require("cpu_kernels")
-        require("onednn_fp32")
+        require("kernel_fp32")
     return load_model(model_dir, CPU, dtype, TorchAttention(native=native), native=native)
 
 
@@ -629,11 +629,11 @@ def test_layer_implementations_are_chosen_at_load(
     native: bool, dtype: torch.dtype, model_dirs: dict[str, Path]
 ) -> None:
     """Each layer is built with its implementation: on a CPU the C kernels (fp32 and bf16) with
-    oneDNN-packed GEMMs in fp32 and AVX512-BF16 or oneDNN-packed ones in bf16; without them
+    their own GEMM's packed weights in fp32 and AVX512-BF16 or oneDNN-packed ones in bf16; without them
     torch's fused RMSNorm in fp32 and the HF formula in half precision."""
-    from batchgen.model.dpbf16_linear import Dpbf16
+    from batchgen.model.kernel_linear import KernelGemm
     from batchgen.model.layers.activation import CpuSiluMul, silu_mul_
-    from batchgen.model.layers.linear import Dpbf16Linear, Linear, OneDnnLinear, PackedLinear
+    from batchgen.model.layers.linear import KernelLinear, Linear, OneDnnLinear
     from batchgen.model.layers.norm import CpuRMSNorm, FusedRMSNorm, RMSNorm
     from batchgen.model.layers.rotary import CpuRope, rope_
 
@@ -646,9 +646,8 @@ def test_layer_implementations_are_chosen_at_load(
     assert all(type(n) is norm_type for n in norms)
     assert isinstance(attn.rope_, CpuRope) if native else attn.rope_ is rope_
     assert isinstance(mlp.silu_mul_, CpuSiluMul) if native else mlp.silu_mul_ is silu_mul_
-    # fp32: oneDNN (MKL where torch has no oneDNN); bf16: the AVX512-BF16 GEMM where the CPU has
-    # it and no AMX, else oneDNN
-    bf16_layer = Dpbf16Linear if isinstance(model.layer_backend.gemm, Dpbf16) else OneDnnLinear
-    fp32_layer = OneDnnLinear if available("onednn_fp32") else PackedLinear
-    packed = (fp32_layer if dtype == torch.float32 else bf16_layer) if native else Linear
+    # fp32: the C kernels' GEMM (load() requires it); bf16: the AVX512-BF16 GEMM where the CPU
+    # has it and no AMX, else oneDNN
+    bf16_layer = KernelLinear if isinstance(model.layer_backend.gemm, KernelGemm) else OneDnnLinear
+    packed = (KernelLinear if dtype == torch.float32 else bf16_layer) if native else Linear
     assert type(attn.qkv_proj) is packed

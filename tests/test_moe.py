@@ -212,7 +212,7 @@ def test_paged_logits_match_transformers(arch: str, native: bool, moe_dirs) -> N
     """Chunked prefill, then decode steps, six sequences of different lengths per step."""
     if native:
         require("cpu_kernels")
-        require("onednn_fp32")
+        require("kernel_fp32")
     model_dir = moe_dirs[arch]
     model, info = load_model(model_dir, CPU, torch.float32, TorchAttention(native), native)
     gen = torch.Generator().manual_seed(len(arch))

@@ -1,9 +1,9 @@
 """Pre-packed weights against F.linear, and the fallbacks: MKL's packed sgemm on CPU fp32
-(batchgen.model.packed_linear, layers.linear.PackedLinear; where oneDNN is missing), oneDNN's
-packed inner product on CPU fp32 and bf16 (batchgen.model.onednn_linear,
-layers.linear.OneDnnLinear) and the C kernels'
-AVX512-BF16 GEMM on CPU bf16 without AMX (batchgen.model.dpbf16_linear,
-layers.linear.Dpbf16Linear; its C kernel against the fp32 sum over many shapes)."""
+(batchgen.model.packed_linear, layers.linear.PackedLinear; where neither of the others runs),
+oneDNN's packed inner product on CPU fp32 and bf16 (batchgen.model.onednn_linear,
+layers.linear.OneDnnLinear) and the C kernels' GEMMs (batchgen.model.kernel_linear,
+layers.linear.KernelLinear): fp32 on AVX2 or AVX-512, AVX512-BF16 on CPU bf16 without AMX;
+their C kernels against the exact sums over many shapes."""
 
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchgen.model import cpu_kernels, dpbf16_linear, onednn_linear, packed_linear
-from batchgen.model.dpbf16_linear import Dpbf16
+from batchgen.model import cpu_kernels, kernel_linear, onednn_linear, packed_linear
+from batchgen.model.kernel_linear import KernelGemm
+from batchgen.model.layers.linear import Gemm as AnyGemm
 from batchgen.model.layers.linear import (
-    Dpbf16Linear,
+    KernelLinear,
     Linear,
     OneDnnLinear,
     PackedLinear,
     pack_linear,
     pack_linears_,
 )
-from batchgen.model.layers.linear import Gemm as AnyGemm
 from batchgen.model.once import Once
 from batchgen.model.onednn_linear import OneDnn
 from batchgen.model.packed_linear import Mkl
@@ -45,7 +45,7 @@ class Gemm:
     layer: type[nn.Module]
 
 
-LAYERS = {Mkl: PackedLinear, OneDnn: OneDnnLinear, Dpbf16: Dpbf16Linear}
+LAYERS = {Mkl: PackedLinear, OneDnn: OneDnnLinear, KernelGemm: KernelLinear}
 
 
 def find(kind: str) -> Gemm:
@@ -55,10 +55,11 @@ def find(kind: str) -> Gemm:
         mkl = packed_linear.for_dtype(CPU, torch.float32)
         assert mkl is not None
         return Gemm(mkl, torch.float32, PackedLinear)
-    if kind == "dpbf16":
-        dpbf16 = dpbf16_linear.for_dtype(CPU, torch.bfloat16, cpu_kernels.load())
-        assert dpbf16 is not None
-        return Gemm(dpbf16, torch.bfloat16, Dpbf16Linear)
+    if kind in ("dpbf16", "kernel_fp32"):
+        dtype = torch.bfloat16 if kind == "dpbf16" else torch.float32
+        kernel = kernel_linear.for_dtype(CPU, dtype, cpu_kernels.load())
+        assert kernel is not None
+        return Gemm(kernel, dtype, KernelLinear)
     dtype = torch.float32 if kind == "onednn_fp32" else torch.bfloat16
     onednn = onednn_linear.for_dtype(CPU, dtype)
     assert onednn is not None
@@ -66,20 +67,20 @@ def find(kind: str) -> Gemm:
 
 
 def chosen(dtype: torch.dtype) -> Gemm:
-    """The packed GEMM an engine's plan picks here for ``dtype`` (fp32: oneDNN; bf16: the
-    AVX512-BF16 GEMM on CPUs with it and no AMX, else oneDNN)."""
+    """The packed GEMM an engine's plan picks here for ``dtype`` (fp32: the C kernels' GEMM;
+    bf16: the AVX512-BF16 GEMM on CPUs with it and no AMX, else oneDNN)."""
     from batchgen.engine.backends import choose_backends
 
     if dtype == torch.float32:
-        require("onednn_fp32")
-    elif dpbf16_linear.for_dtype(CPU, dtype, cpu_kernels.load()) is None:
+        require("kernel_fp32")
+    elif kernel_linear.for_dtype(CPU, dtype, cpu_kernels.load()) is None:
         require("onednn")
     g = choose_backends(CPU, dtype, "torch").layers.gemm
     assert g is not None
     return Gemm(g, dtype, LAYERS[type(g)])
 
 
-@pytest.fixture(params=["mkl", "onednn_fp32", "onednn", "dpbf16"])
+@pytest.fixture(params=["mkl", "onednn_fp32", "kernel_fp32", "onednn", "dpbf16"])
 def gemm(request: pytest.FixtureRequest) -> Gemm:
     return find(request.param)
 
@@ -252,7 +253,8 @@ def test_plain_linear(bias: bool) -> None:
 
 
 def test_each_gemm_serves_its_dtypes_on_the_cpu() -> None:
-    """MKL fp32 only, oneDNN fp32 and bf16; the plan takes oneDNN for fp32 where it is there."""
+    """MKL fp32 only, oneDNN fp32 and bf16; the plan takes the C kernels' GEMM for fp32 where it
+    is there."""
     from batchgen.engine.backends import choose_backends
 
     meta = torch.device("meta")
@@ -261,8 +263,8 @@ def test_each_gemm_serves_its_dtypes_on_the_cpu() -> None:
         assert module.for_dtype(meta, torch.bfloat16) is None
         assert module.for_dtype(CPU, torch.float16) is None
     assert packed_linear.for_dtype(CPU, torch.bfloat16) is None
-    require("onednn_fp32")
-    assert isinstance(choose_backends(CPU, torch.float32, "torch").layers.gemm, OneDnn)
+    require("kernel_fp32")
+    assert isinstance(choose_backends(CPU, torch.float32, "torch").layers.gemm, KernelGemm)
     model = nn.Sequential(Linear(8, 8))
     assert pack_linears_(model, None) == 0 and isinstance(model[0], Linear)
 
@@ -296,7 +298,7 @@ def test_onednn_without_bf16_falls_back(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_onednn_failing_its_check_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16: F.linear; fp32: MKL's packed GEMM."""
+    """bf16: F.linear; fp32 without the C kernels' GEMM: MKL's packed GEMM."""
     from batchgen.engine.backends import choose_backends
 
     fresh_lookups(monkeypatch)
@@ -304,6 +306,7 @@ def test_onednn_failing_its_check_falls_back(monkeypatch: pytest.MonkeyPatch) ->
     assert onednn_linear.for_dtype(CPU, torch.bfloat16) is None
     assert onednn_linear.for_dtype(CPU, torch.float32) is None
     require("mkl")
+    monkeypatch.setattr(kernel_linear, "for_dtype", lambda device, dtype, kernels: None)
     assert isinstance(choose_backends(CPU, torch.float32, "torch").layers.gemm, Mkl)
 
 
@@ -359,7 +362,7 @@ def test_bf16_model_unpacked_when_disabled(
     model = load_tiny(tmp_path / "model", torch.bfloat16, tied=False)
     assert model.layer_backend.gemm is None
     assert not [
-        m for m in model.modules() if isinstance(m, OneDnnLinear | PackedLinear | Dpbf16Linear)
+        m for m in model.modules() if isinstance(m, OneDnnLinear | PackedLinear | KernelLinear)
     ]
     assert type(model.layers[0].mlp.down_proj) is Linear and type(model.lm_head) is Linear
 
@@ -406,20 +409,20 @@ def test_onednn_rows_are_padded_to_few_sizes() -> None:
     assert all(padded_rows(s) == s for s in set(sizes))
 
 
-# ---- the C kernels' AVX512-BF16 GEMM (batchgen/model/cpu_kernels_gemm.c) ----
+# ---- the C kernels' GEMMs (batchgen/model/cpu_kernels_gemm.c): AVX512-BF16, then fp32 ----
 
 
 @pytest.fixture
-def dpbf16() -> Dpbf16:
+def dpbf16() -> KernelGemm:
     g = find("dpbf16").gemm
-    assert isinstance(g, Dpbf16)
+    assert isinstance(g, KernelGemm)
     return g
 
 
 def test_dpbf16_pack_layout() -> None:
     """``[b, j, c, t] = W[16 b + c, 2 j + t]``, zero beyond W (pure PyTorch: runs anywhere)."""
     w = torch.arange(19 * 5, dtype=torch.float32).view(19, 5).bfloat16()
-    p = dpbf16_linear.pack(w)
+    p = kernel_linear.pack(w)
     assert p.shape == (2, 3, 16, 2) and p.is_contiguous()
     for b, j, c, t in [(0, 0, 0, 0), (0, 0, 0, 1), (0, 2, 15, 0), (1, 1, 2, 1), (1, 0, 2, 0)]:
         assert p[b, j, c, t] == w[16 * b + c, 2 * j + t]
@@ -431,7 +434,7 @@ def test_dpbf16_pack_layout() -> None:
     [(1, 1), (5, 3), (16, 2), (17, 33), (48, 64), (83, 37), (100, 2048), (960, 576), (576, 1536)],
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_dpbf16_kernel_matches_the_fp32_sum(dpbf16: Dpbf16, n: int, k: int, bias: bool) -> None:
+def test_dpbf16_kernel_matches_the_fp32_sum(dpbf16: KernelGemm, n: int, k: int, bias: bool) -> None:
     """Every shape class: outputs and inputs not multiples of the 16-output blocks or input
     pairs (masked stores, the odd last input), tiles of 1-8 rows, panels of 1-3 blocks, more
     rows than one pass over the weights takes (K = 2048: 256-row passes). Each output is the
@@ -456,7 +459,7 @@ def test_dpbf16_kernel_matches_the_fp32_sum(dpbf16: Dpbf16, n: int, k: int, bias
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (83, 37), (576, 2048)])
-def test_dpbf16_rows_do_not_depend_on_the_rows_beside_them(dpbf16: Dpbf16, n: int, k: int) -> None:
+def test_dpbf16_rows_do_not_depend_on_the_rows_beside_them(dpbf16: KernelGemm, n: int, k: int) -> None:
     """Bitwise: a row computed alone equals it computed among M rows, at any place in the call
     (unlike oneDNN's, whose sum order changes with M)."""
     gen = torch.Generator().manual_seed(2)
@@ -470,7 +473,7 @@ def test_dpbf16_rows_do_not_depend_on_the_rows_beside_them(dpbf16: Dpbf16, n: in
         assert torch.equal(rows[picks], alone[: len(picks)]), m
 
 
-def test_dpbf16_strided_rows_and_nan(dpbf16: Dpbf16) -> None:
+def test_dpbf16_strided_rows_and_nan(dpbf16: KernelGemm) -> None:
     """Rows of h and of the residual at a stride (column slices), and a NaN input stays NaN."""
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=gen).bfloat16()
@@ -500,27 +503,155 @@ def test_dpbf16_is_chosen_only_without_amx(monkeypatch: pytest.MonkeyPatch) -> N
     if kernels is None or not kernels.gemm_dpbf16:
         pytest.skip("the C kernels here have no AVX512-BF16 GEMM")
     amx = Bf16Support(("AMX-BF16", "AVX512-BF16"))
-    monkeypatch.setattr(dpbf16_linear, "bf16_support", lambda: amx)
-    assert dpbf16_linear.for_dtype(CPU, torch.bfloat16, kernels) is None
-    monkeypatch.setattr(dpbf16_linear, "bf16_support", lambda: Bf16Support(("AVX512-BF16",)))
-    assert dpbf16_linear.for_dtype(CPU, torch.bfloat16, kernels) is not None
-    assert dpbf16_linear.for_dtype(CPU, torch.float32, kernels) is None
-    assert dpbf16_linear.for_dtype(torch.device("meta"), torch.bfloat16, kernels) is None
-    assert dpbf16_linear.for_dtype(CPU, torch.bfloat16, None) is None
+    monkeypatch.setattr(kernel_linear, "bf16_support", lambda: amx)
+    assert kernel_linear.for_dtype(CPU, torch.bfloat16, kernels) is None
+    monkeypatch.setattr(kernel_linear, "bf16_support", lambda: Bf16Support(("AVX512-BF16",)))
+    assert kernel_linear.for_dtype(CPU, torch.bfloat16, kernels) is not None
+    assert kernel_linear.for_dtype(CPU, torch.float16, kernels) is None
+    assert kernel_linear.for_dtype(torch.device("meta"), torch.bfloat16, kernels) is None
+    assert kernel_linear.for_dtype(CPU, torch.bfloat16, None) is None
     portable = cpu_kernels.load(avx512bf16=False)
     assert portable is not None and not portable.gemm_dpbf16
-    assert dpbf16_linear.for_dtype(CPU, torch.bfloat16, portable) is None
-    monkeypatch.setattr(dpbf16_linear, "_CHECKED", {})
-    monkeypatch.setattr(Dpbf16, "linear_add_", lambda self, x, h, w, b: x)  # drops h W^T
-    assert dpbf16_linear.for_dtype(CPU, torch.bfloat16, kernels) is None
+    assert kernel_linear.for_dtype(CPU, torch.bfloat16, portable) is None
+    monkeypatch.setattr(kernel_linear, "_CHECKED", {})
+    monkeypatch.setattr(KernelGemm, "linear_add_", lambda self, x, h, w, b: x)  # drops h W^T
+    assert kernel_linear.for_dtype(CPU, torch.bfloat16, kernels) is None
 
 
-def test_dpbf16_kernel_rejects_mislaid_tensors(dpbf16: Dpbf16) -> None:
+def test_dpbf16_kernel_rejects_mislaid_tensors(dpbf16: KernelGemm) -> None:
     p = dpbf16.pack(torch.randn(32, 16).bfloat16())
     h = torch.randn(4, 16).bfloat16()
-    with pytest.raises(ValueError, match="gemm_bf16"):
+    with pytest.raises(ValueError, match="cpu gemm"):
         dpbf16.linear(h.float(), p, 32, None)
-    with pytest.raises(ValueError, match="gemm_bf16"):
+    with pytest.raises(ValueError, match="cpu gemm"):
         dpbf16.linear(h, p, 33, None)  # another N than packed
-    with pytest.raises(ValueError, match="gemm_bf16"):
+    with pytest.raises(ValueError, match="cpu gemm"):
         dpbf16.linear(torch.randn(4, 18).bfloat16(), p, 32, None)  # another K
+
+
+@pytest.fixture
+def fma() -> KernelGemm:
+    g = find("kernel_fp32").gemm
+    assert isinstance(g, KernelGemm)
+    return g
+
+
+def fp32_bound(h: Tensor, weight: Tensor, ref: Tensor) -> Tensor:
+    """Per output: the spread of fp32 sums of the terms in any order (K * 2^-24 * sum |h_k w_k|,
+    with room) plus a few places of the result itself."""
+    scale = h.abs().double() @ weight.abs().double().t()
+    return (h.shape[1] * 2**-22 * scale).float() + 2**-21 * ref.abs()
+
+
+def test_fp32_pack_layout() -> None:
+    """``[b, k, c] = W[16 b + c, k]``, zero beyond W (pure PyTorch: runs anywhere)."""
+    w = torch.arange(19 * 5, dtype=torch.float32).view(19, 5)
+    p = kernel_linear.pack(w)
+    assert p.shape == (2, 5, 16) and p.is_contiguous() and p.dtype == torch.float32
+    for b, k, c in [(0, 0, 0), (0, 4, 15), (1, 2, 2), (1, 0, 0)]:
+        assert p[b, k, c] == w[16 * b + c, k]
+    assert (p[1, :, 3:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "n,k",
+    [(1, 1), (5, 3), (8, 2), (16, 7), (17, 33), (40, 64), (83, 37), (100, 2048), (960, 576)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_kernel_matches_the_exact_sum(fma: KernelGemm, n: int, k: int, bias: bool) -> None:
+    """Every shape class: outputs not multiples of the 16-output blocks or of 8 lanes (masked
+    loads and stores), tiles of 1-8 rows, panels of 1-3 blocks, more rows than one pass over
+    the weights takes (K = 2048: 64-row passes). Within fp32 order effects of the exact sum,
+    with bias and with the residual added."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    p = fma.pack(w)
+    for m in (1, 2, 5, 7, 8, 9, 13, 23, 64, 300):
+        h = torch.randn(m, k, generator=gen)
+        x = torch.randn(m, n, generator=gen)
+        exact = fp32_reference(h, w, b)
+        bound = fp32_bound(h, w, exact)
+        got = fma.linear(h, p, n, b)
+        assert ((got - exact).abs() <= bound).all(), (m, (got - exact).abs().max())
+        added = fma.linear_add_(x.clone(), h, p, b)
+        exact_add = exact + x
+        assert ((added - exact_add).abs() <= bound + 2**-21 * exact_add.abs()).all(), m
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (83, 37), (576, 2048)])
+def test_fp32_rows_do_not_depend_on_the_rows_beside_them(fma: KernelGemm, n: int, k: int) -> None:
+    """Bitwise: a row computed alone equals it computed among M rows, at any place in the call
+    (tiles of every size, several passes over the weights)."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(n, k, generator=gen)
+    p = fma.pack(w)
+    x = torch.randn(600, k, generator=gen)
+    alone = torch.cat([fma.linear(x[i : i + 1], p, n, None) for i in (0, 5, 299)])
+    for m in (6, 9, 13, 64, 300, 600):
+        rows = fma.linear(x[:m], p, n, None)
+        picks = [i for i in (0, 5, 299) if i < m]
+        assert torch.equal(rows[picks], alone[: len(picks)]), m
+
+
+def test_fp32_avx2_build_gives_the_same_bits(fma: KernelGemm) -> None:
+    """The AVX2 build (6 x 16 tiles of 8-lane vectors) computes every output with the same
+    operations as the AVX-512 one (8 x 48 tiles of 16 lanes): equal bit for bit."""
+    from tests.test_cpu_kernels import avx2_kernels
+
+    avx2 = KernelGemm(avx2_kernels())
+    gen = torch.Generator().manual_seed(5)
+    for n, k in [(83, 37), (960, 576), (40, 1536)]:
+        w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+        p = fma.pack(w)
+        for m in (1, 7, 32, 300):
+            h, x = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+            assert torch.equal(avx2.linear(h, p, n, b), fma.linear(h, p, n, b)), (n, k, m)
+            assert torch.equal(avx2.linear_add_(x.clone(), h, p, b), fma.linear_add_(x, h, p, b))
+
+
+def test_fp32_strided_rows_and_nan(fma: KernelGemm) -> None:
+    """Rows of h and of the residual at a stride (column slices), and a NaN input stays NaN."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 24, generator=gen)
+    p = fma.pack(w)
+    h = torch.randn(11, 60, generator=gen)[:, 10:34]
+    wide = torch.randn(11, 90, generator=gen)
+    before = wide.clone()
+    x = wide[:, 5:45]
+    expected = x + fp32_reference(h, w, None)
+    fma.linear_add_(x, h, p, None)
+    torch.testing.assert_close(x, expected)
+    assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, 45:], before[:, 45:])
+    h2 = h.contiguous()
+    h2[3, 7] = float("nan")
+    out = fma.linear(h2, p, 40, None)
+    assert out[3].isnan().all() and not out[[0, 1, 2, 4]].isnan().any()
+
+
+def test_fp32_kernel_is_chosen_where_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's fp32 GEMM: this kernel where the build has it and its check passes; else
+    oneDNN."""
+    from batchgen.engine.backends import choose_backends
+
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.gemm_f32:
+        pytest.skip("the C kernels here have no fp32 GEMM")
+    assert kernel_linear.for_dtype(CPU, torch.float32, kernels) is not None
+    assert kernel_linear.for_dtype(torch.device("meta"), torch.float32, kernels) is None
+    monkeypatch.setattr(kernel_linear, "_CHECKED", {})
+    monkeypatch.setattr(KernelGemm, "linear_add_", lambda self, x, h, w, b: x)  # drops h W^T
+    assert kernel_linear.for_dtype(CPU, torch.float32, kernels) is None
+    require("onednn_fp32")
+    assert isinstance(choose_backends(CPU, torch.float32, "torch").layers.gemm, OneDnn)
+
+
+def test_fp32_kernel_rejects_mislaid_tensors(fma: KernelGemm) -> None:
+    p = fma.pack(torch.randn(32, 16))
+    h = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="cpu gemm"):
+        fma.linear(h.bfloat16(), p, 32, None)
+    with pytest.raises(ValueError, match="cpu gemm"):
+        fma.linear(h, p, 33, None)  # another N than packed
+    with pytest.raises(ValueError, match="cpu gemm"):
+        fma.linear(torch.randn(4, 18), p, 32, None)  # another K

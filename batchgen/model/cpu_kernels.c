@@ -12,6 +12,8 @@
  *   moe_experts_*        a mixture-of-experts layer's experts over the pairs routed to them
  * bf16 only, on AVX512-BF16 builds:
  *   gemm_bf16_dpbf16     the linear layers' GEMM on weights packed for vdpbf16ps
+ * fp32 linear layers (AVX2 and AVX-512 builds):
+ *   gemm_f32             the linear layers' GEMM on weights packed in blocks of 16 outputs
  * fp32 only:
  *   uniform_noise_f32    the sampler's hashed uniforms (bit for bit the PyTorch formula)
  *   race_draw_f32        the sampler's temperature-only draw, fused (noise, weights, race)
@@ -55,7 +57,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP

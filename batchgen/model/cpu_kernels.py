@@ -208,11 +208,16 @@ class CpuKernels:
         }
         self._noise = _bind(lib.uniform_noise_f32, None, p, p, i64, p, i64, i64)
         self._race = _bind(lib.race_draw_f32, None, p, i64, p, p, i64, i64, p)
-        self._gemm = _bind(lib.gemm_bf16_dpbf16, ctypes.c_int, p, i64, i64, i64, p, i64, p, p,
-                           i64, p, i64, i32)  # fmt: skip
+        self._gemm = {
+            dt: _bind(getattr(lib, name), ctypes.c_int, p, i64, i64, i64, p, i64, p, p, i64, p,
+                      i64, i32)  # fmt: skip
+            for dt, name in ((torch.bfloat16, "gemm_bf16_dpbf16"), (torch.float32, "gemm_f32"))
+        }
         self.path = path
-        # whether the build has the bf16 GEMM of batchgen.model.dpbf16_linear
+        # whether the build has the bf16 GEMM of batchgen.model.kernel_linear
         self.gemm_dpbf16 = bool(_bind(lib.cpu_kernels_gemm_dpbf16, ctypes.c_int)())
+        # whether the build has the fp32 GEMM of batchgen.model.kernel_linear (AVX2 or AVX-512)
+        self.gemm_f32 = bool(_bind(lib.cpu_kernels_gemm_f32, ctypes.c_int)())
         # whether bf16 attention uses the AVX512-BF16 dot products (else the portable path)
         self.avx512bf16 = bool(_bind(lib.cpu_kernels_avx512bf16, ctypes.c_int)())
         # the fp32 lanes of the attention tiles' vectors: 16 (AVX-512 builds) or 8 (AVX2)
@@ -455,7 +460,7 @@ class CpuKernels:
                                t, k, h, torch.get_num_threads())  # fmt: skip
         return out
 
-    def gemm_bf16(
+    def gemm(
         self,
         h: Tensor,
         packed: Tensor,
@@ -464,32 +469,38 @@ class CpuKernels:
         add: Tensor | None,
         out: Tensor,
     ) -> Tensor:
-        """``out = h @ W^T + bias + add``, rounded to bf16 once, returns out: h ``[M, K]`` bf16
-        (unit column stride), packed ``[ceil(N/16), ceil(K/2), 16, 2]`` bf16 (W ``[N, K]`` in
-        :func:`batchgen.model.dpbf16_linear.pack`'s layout), bias ``[N]`` contiguous or None,
-        add and out ``[M, N]`` bf16 with unit column stride (add may be out itself). Only where
-        :attr:`gemm_dpbf16`."""
+        """``out = h @ W^T + bias + add``, returns out: h ``[M, K]`` bf16 or fp32 (unit column
+        stride), packed W ``[N, K]`` in :func:`batchgen.model.kernel_linear.pack`'s layout for
+        h's dtype (bf16 ``[ceil(N/16), ceil(K/2), 16, 2]``, fp32 ``[ceil(N/16), K, 16]``), bias
+        ``[N]`` contiguous or None, add and out ``[M, N]`` with unit column stride (add may be
+        out itself), all in h's dtype; bf16 outputs are rounded once. bf16 only where
+        :attr:`gemm_dpbf16`, fp32 where :attr:`gemm_f32`."""
         m, k = h.shape
-        n = out_features
+        n, dt = out_features, h.dtype
+        layout = {
+            torch.bfloat16: ((n + 15) // 16, (k + 1) // 2, 16, 2),
+            torch.float32: ((n + 15) // 16, k, 16),
+        }
         ok = (
-            self.gemm_dpbf16
-            and h.dtype == packed.dtype == out.dtype == torch.bfloat16
+            (self.gemm_dpbf16 if dt == torch.bfloat16 else self.gemm_f32 and dt == torch.float32)
+            and packed.dtype == out.dtype == dt
             and h.stride(1) == 1
             and packed.is_contiguous()
-            and packed.shape == ((n + 15) // 16, (k + 1) // 2, 16, 2)
+            and packed.shape == layout[dt]
             and out.shape == (m, n)
             and out.stride(1) == 1
-            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()
+            and (bias is None or (bias.dtype == dt and bias.is_contiguous()
                                   and bias.shape == (n,)))
-            and (add is None or (add.dtype == torch.bfloat16 and add.shape == (m, n)
+            and (add is None or (add.dtype == dt and add.shape == (m, n)
                                  and add.stride(1) == 1))
         )  # fmt: skip
         if not ok:
-            raise ValueError("cpu gemm_bf16: unsupported dtypes, shapes or strides")
-        self._gemm(h.data_ptr(), h.stride(0), m, k, packed.data_ptr(), n,
-                   None if bias is None else bias.data_ptr(),
-                   None if add is None else add.data_ptr(), 0 if add is None else add.stride(0),
-                   out.data_ptr(), out.stride(0), torch.get_num_threads())  # fmt: skip
+            raise ValueError("cpu gemm: unsupported dtypes, shapes or strides")
+        self._gemm[dt](h.data_ptr(), h.stride(0), m, k, packed.data_ptr(), n,
+                       None if bias is None else bias.data_ptr(),
+                       None if add is None else add.data_ptr(),
+                       0 if add is None else add.stride(0), out.data_ptr(), out.stride(0),
+                       torch.get_num_threads())  # fmt: skip
         return out
 
     def store_kv(

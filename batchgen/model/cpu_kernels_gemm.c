@@ -1,6 +1,7 @@
-/* The bf16 GEMM of the linear layers on CPUs with AVX512-BF16 and no AMX (part of
- * cpu_kernels.c's one translation unit; every function here without ``static`` is an entry
- * point called through ctypes). Python side: batchgen/model/dpbf16_linear.py.
+/* The GEMMs of the linear layers (part of cpu_kernels.c's one translation unit; every function
+ * here without ``static`` is an entry point called through ctypes; Python side:
+ * batchgen/model/kernel_linear.py): bf16 on CPUs with AVX512-BF16 and no AMX (first), fp32 with
+ * FMA on AVX2 and AVX-512 (at the end of the file).
  *
  *   y[m][n] = bf16(sum_k x[m][k] w[n][k] + bias[n] + add[m][n])      m < M, n < N, k < K
  *
@@ -174,4 +175,195 @@ int gemm_bf16_dpbf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const
         (void)y, (void)ldy, (void)num_threads;
     return -1;
 #endif
+}
+
+/* ---- fp32 ----
+ *
+ *   y[m][n] = sum_k x[m][k] w[n][k] + bias[n] + add[m][n]       m < M, n < N, k < K
+ *
+ * x [M, K] fp32, row m at x + m*ldx; bias [N] or NULL; add [M, N] (row stride ld_add) or NULL;
+ * y [M, N], row stride ldy; y may be add itself, x must not overlap y. Each sum is one chain of
+ * fused multiply-adds over k ascending, then + bias, then + add: the same operations for every
+ * row whatever M or the row's place in the call, and the same in AVX2 and AVX-512 builds (the
+ * vector width changes which lanes run together, not what each lane computes).
+ *
+ * Packed layout: P [ceil(N/16)][K][16] fp32, P[b][k][c] = w[16b + c][k] (zero beyond N): for
+ * each block of 16 outputs, one 64-byte line per input, whatever the build's vector width.
+ *
+ * The loop is gemm_bf16_dpbf16's: each thread an even share of the 16-output blocks, in panels
+ * of G32_NB blocks, each read from memory once per chunk of rows (G32_CHUNK_BYTES of x) and from
+ * cache for each tile of up to G32_MR rows (the chunk's rows spread evenly over its tiles, so no
+ * tile is left with a row or two). Per input, G32_NB*16/VL vector loads of weights and G32_MR
+ * broadcasts of x feed the tile's G32_MR*G32_NB*16/VL accumulators: 8 x 3 zmm (24 of 32
+ * registers) with AVX-512, 6 x 2 ymm (12 of 16) with AVX2. While a panel's first tile computes,
+ * it prefetches the next panel (one line of each of its blocks per input; past W's end too:
+ * prefetches never fault); the other tiles prefetch their own lines, already in cache, which
+ * keeps the loop free of branches. */
+
+#if defined(__AVX512F__)
+#define G32_MR 8
+#define G32_NB 3
+#else
+#define G32_MR 6
+#define G32_NB 1
+#endif
+#define G32_VB (16 / VL)             /* vectors per 16-output block */
+#define G32_CHUNK_BYTES (1 << 19)    /* bytes of x per pass over the weights: about half an L2 */
+
+int cpu_kernels_gemm_f32(void) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    return 1;
+#else
+    return 0; /* compiled, never chosen: no measured advantage without FMA vectors */
+#endif
+}
+
+/* -1 in the lanes below n (any n) */
+static inline vin g32_lanes_below(int n) {
+    static const int32_t ids[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vin v;
+    memcpy(&v, ids, sizeof v);
+    return v < n;
+}
+
+/* x[0] in every lane; loads and stores of the lanes set in m (others read as 0, not written) */
+#if defined(__AVX512F__)
+static inline vn g32_broadcast(const float *x) { return (vn)_mm512_set1_ps(*x); }
+static inline vn g32_load_part(const float *p, vin m) {
+    return (vn)_mm512_maskz_loadu_ps(_mm512_movepi32_mask((__m512i)m), p);
+}
+static inline void g32_store_part(float *p, vn v, vin m) {
+    _mm512_mask_storeu_ps(p, _mm512_movepi32_mask((__m512i)m), (__m512)v);
+}
+#elif defined(__AVX2__)
+static inline vn g32_broadcast(const float *x) { return (vn)_mm256_broadcast_ss(x); }
+static inline vn g32_load_part(const float *p, vin m) {
+    return (vn)_mm256_maskload_ps(p, (__m256i)m);
+}
+static inline void g32_store_part(float *p, vn v, vin m) {
+    _mm256_maskstore_ps(p, (__m256i)m, (__m256)v);
+}
+#else
+static inline vn g32_broadcast(const float *x) {
+    vn v;
+    for (int c = 0; c < VL; c++) v[c] = *x;
+    return v;
+}
+static inline vn g32_load_part(const float *p, vin m) {
+    vn v = {0};
+    for (int c = 0; c < VL; c++)
+        if (m[c]) v[c] = p[c];
+    return v;
+}
+static inline void g32_store_part(float *p, vn v, vin m) {
+    for (int c = 0; c < VL; c++)
+        if (m[c]) p[c] = v[c];
+}
+#endif
+
+/* One tile: MR rows (MR <= G32_MR) x NB blocks (NB <= G32_NB), both compile-time constants. p:
+ * the panel (block j at p + j*blk); pf: the first line to prefetch, block j's at pf + j*blk
+ * floats, one line per input. last_n: the outputs of the panel's last block (16 but at the end
+ * of W). The epilogue's loads and stores are masked throughout: with a branch between full and
+ * partial vectors GCC kept the accumulators in memory. */
+static inline __attribute__((always_inline)) void gemm_f32_tile(
+    const float *x, int64_t ldx, const int MR, const float *p, int64_t blk, const int NB,
+    int64_t K, const float *pf, const float *bias, const float *add, int64_t ld_add, float *y,
+    int64_t ldy, int last_n) {
+    vn acc[G32_MR][G32_NB * G32_VB];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NB * G32_VB; j++) acc[i][j] = (vn){0};
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < K; k++) {
+        vn w[G32_NB * G32_VB];
+        for (int j = 0; j < NB * G32_VB; j++)
+            w[j] = loadn(p + (j / G32_VB) * blk + k * 16 + (j % G32_VB) * VL);
+        for (int j = 0; j < NB; j++) __builtin_prefetch(pf + j * blk + k * 16, 0, 3);
+        for (int i = 0; i < MR; i++) {
+            const vn xb = g32_broadcast(x + i * ldx + k);
+            for (int j = 0; j < NB * G32_VB; j++) acc[i][j] += xb * w[j];
+        }
+    }
+    for (int j = 0; j < NB * G32_VB; j++) {
+        /* the valid lanes of vector j: all but in the last block */
+        const vin m = g32_lanes_below(j / G32_VB == NB - 1 ? last_n - (j % G32_VB) * VL : VL);
+        const vn b = bias ? g32_load_part(bias + j * VL, m) : (vn){0};
+        for (int i = 0; i < MR; i++) {
+            vn r = acc[i][j] + b;
+            if (add) r += g32_load_part(add + i * ld_add + j * VL, m);
+            g32_store_part(y + i * ldy + j * VL, r, m);
+        }
+    }
+}
+
+/* The rows 0 .. M-1 against one panel of NB blocks, in ceil(M/G32_MR) tiles of as even a size
+ * as they can have; pf: the next panel (NULL: none), prefetched by the first tile. */
+static inline __attribute__((always_inline)) void gemm_f32_panel(
+    const float *x, int64_t ldx, int64_t M, const float *p, int64_t blk, const int NB, int64_t K,
+    const float *pf, const float *bias, const float *add, int64_t ld_add, float *y, int64_t ldy,
+    int last_n) {
+    const int64_t tiles = (M + G32_MR - 1) / G32_MR;
+    for (int64_t t = 0, m = 0; t < tiles; t++) {
+        const int64_t rows = M * (t + 1) / tiles - M * t / tiles;
+        const float *tpf = pf && t == 0 ? pf : p;
+        const float *a = add ? add + m * ld_add : NULL;
+        switch ((int)rows) {
+#define G32_TILE(R)                                                                          \
+    case R:                                                                                  \
+        gemm_f32_tile(x + m * ldx, ldx, R, p, blk, NB, K, tpf, bias, a, ld_add, y + m * ldy, \
+                      ldy, last_n);                                                          \
+        break;
+            G32_TILE(1) G32_TILE(2) G32_TILE(3) G32_TILE(4) G32_TILE(5) G32_TILE(6)
+#if G32_MR > 6
+            G32_TILE(7) G32_TILE(8)
+#endif
+#undef G32_TILE
+        }
+        m += rows;
+    }
+}
+
+/* y = x W^T + bias + add (the fp32 section's semantics); p in its packed layout for N outputs
+ * of K inputs. Returns 0. */
+int gemm_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *p, int64_t N,
+             const float *bias, const float *add, int64_t ld_add, float *y, int64_t ldy,
+             int num_threads) {
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t blk = K * 16, blocks = (N + 15) / 16;
+    const int64_t chunk_rows =
+        G32_CHUNK_BYTES / (4 * K) > G32_MR ? G32_CHUNK_BYTES / (4 * K) : G32_MR;
+    const int nt = blocks < num_threads ? (int)blocks : num_threads;
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+#else
+        const int t = 0, n_t = 1;
+#endif
+        const int64_t lo = blocks * t / n_t, hi = blocks * (t + 1) / n_t;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
+            const int64_t rows = M - m0 < chunk_rows ? M - m0 : chunk_rows;
+            for (int64_t b0 = lo; b0 < hi; b0 += G32_NB) {
+                const int nb = hi - b0 < G32_NB ? (int)(hi - b0) : G32_NB;
+                const int64_t b1 = b0 + nb; /* the next panel's first block */
+                const int64_t left = N - 16 * (b1 - 1); /* outputs from the last block on */
+                /* the next panel: this chunk's next, else the next chunk's first */
+                const float *pf = b1 < hi ? p + b1 * blk : m0 + rows < M ? p + lo * blk : NULL;
+                switch (nb) {
+#define G32_PANEL(B)                                                                          \
+    case B:                                                                                   \
+        gemm_f32_panel(x + m0 * ldx, ldx, rows, p + b0 * blk, blk, B, K, pf,                  \
+                       bias ? bias + 16 * b0 : NULL, add ? add + m0 * ld_add + 16 * b0 : NULL, \
+                       ld_add, y + m0 * ldy + 16 * b0, ldy, left >= 16 ? 16 : (int)left);      \
+        break;
+                    G32_PANEL(1)
+#if G32_NB > 1
+                    G32_PANEL(2) G32_PANEL(3)
+#endif
+#undef G32_PANEL
+                }
+            }
+        }
+    }
+    return 0;
 }

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.model import cpu_kernels, dpbf16_linear, onednn_linear, packed_linear
+from batchgen.model import cpu_kernels, kernel_linear, onednn_linear, packed_linear
 from batchgen.model.cpu_kernels import CpuKernels
 from batchgen.model.layers.linear import Gemm
 
@@ -20,12 +20,12 @@ class LayerBackend:
 
     ``cpu``: the C kernels of :mod:`batchgen.model.cpu_kernels` (RMSNorm, RoPE, SwiGLU), on CPU fp32
     and bf16 when they could be built. ``gemm``: the GEMM whose packed weights the linear layers
-    hold (:func:`batchgen.model.layers.linear.pack_linears_`): on CPU fp32, oneDNN's packed
-    inner product (:mod:`batchgen.model.onednn_linear`), else MKL's packed sgemm
-    (:mod:`batchgen.model.packed_linear`) when torch exports it; on CPU bf16, the C kernels'
-    AVX512-BF16 GEMM (:mod:`batchgen.model.dpbf16_linear`) where the CPU has AVX512-BF16 but no
-    AMX, else oneDNN's packed inner product when oneDNN runs bf16 here. None: the PyTorch ops
-    (``F.linear``).
+    hold (:func:`batchgen.model.layers.linear.pack_linears_`): the C kernels' GEMM
+    (:mod:`batchgen.model.kernel_linear`) on CPU fp32 where they were built with AVX2 and FMA
+    or AVX-512, and on CPU bf16 where the CPU has AVX512-BF16 but no AMX; else oneDNN's packed
+    inner product (:mod:`batchgen.model.onednn_linear`; bf16 where oneDNN runs bf16 here); else,
+    in fp32, MKL's packed sgemm (:mod:`batchgen.model.packed_linear`) when torch exports it.
+    None: the PyTorch ops (``F.linear``).
     """
 
     device: torch.device
@@ -50,7 +50,7 @@ class LayerBackend:
             return cls(device, dtype)
         cpu = cpu_kernels.for_dtype(device, dtype, avx512bf16)
         gemm = (
-            dpbf16_linear.for_dtype(device, dtype, cpu)
+            kernel_linear.for_dtype(device, dtype, cpu)
             or onednn_linear.for_dtype(device, dtype)
             or packed_linear.for_dtype(device, dtype)
         )

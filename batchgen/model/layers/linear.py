@@ -1,7 +1,8 @@
 """Linear layers: ``Linear`` (``F.linear``), ``PackedLinear`` (weights pre-packed for MKL's
-GEMM, CPU fp32 where torch has no oneDNN), ``OneDnnLinear`` (weights pre-packed for oneDNN's
-GEMM, CPU fp32 and bf16) and
-``Dpbf16Linear`` (weights packed for batchgen's AVX512-BF16 GEMM, CPU bf16 without AMX). Modules
+GEMM, CPU fp32 where neither oneDNN nor the C kernels' GEMM runs), ``OneDnnLinear`` (weights
+pre-packed for oneDNN's GEMM, CPU bf16 on AMX CPUs, and the fallback elsewhere) and
+``KernelLinear`` (weights packed for batchgen's own GEMMs: CPU fp32 on AVX2 or AVX-512, CPU bf16
+with AVX512-BF16 and no AMX). Modules
 are built as ``Linear``; once their weights are loaded, :func:`pack_linears_` swaps each for
 the packed layer of the backend's GEMM (:attr:`LayerBackend.gemm
 <batchgen.model.layers.backend.LayerBackend.gemm>`), if it has one."""
@@ -12,13 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchgen.model import packed_linear
-from batchgen.model.dpbf16_linear import Dpbf16
+from batchgen.model.kernel_linear import KernelGemm
 from batchgen.model.onednn_linear import OneDnn
 from batchgen.model.packed_linear import Mkl, PackedWeight
 
 __all__ = [
-    "Dpbf16Linear",
     "Gemm",
+    "KernelLinear",
     "Linear",
     "OneDnnLinear",
     "PackedLayer",
@@ -28,7 +29,7 @@ __all__ = [
 ]
 
 # the packed GEMMs a LayerBackend may hold
-Gemm = Mkl | OneDnn | Dpbf16
+Gemm = Mkl | OneDnn | KernelGemm
 
 
 class Linear(nn.Linear):
@@ -97,16 +98,17 @@ class OneDnnLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
-class Dpbf16Linear(nn.Module):
-    """A bf16 linear layer whose weight is held only in the AVX512-BF16 GEMM's packed layout
-    (:mod:`batchgen.model.dpbf16_linear`; no ``weight``). Each output is rounded once from its
-    fp32 sum, in an order that does not depend on the rows beside it."""
+class KernelLinear(nn.Module):
+    """A bf16 or fp32 linear layer whose weight is held only in the packed layout of the C
+    kernels' GEMM (:mod:`batchgen.model.kernel_linear`; no ``weight``). Each output's sum runs in
+    an order that does not depend on the rows beside it (bf16: rounded once from fp32)."""
 
-    def __init__(self, weight: Tensor, bias: nn.Parameter | None, gemm: Dpbf16) -> None:
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None, gemm: KernelGemm) -> None:
         super().__init__()
         self.gemm = gemm
         self.out_features, self.in_features = weight.shape
-        self.packed: Tensor = gemm.pack(weight)  # [ceil(out/16), ceil(in/2), 16, 2]
+        # bf16 [ceil(out/16), ceil(in/2), 16, 2], fp32 [ceil(out/16), in, 16]
+        self.packed: Tensor = gemm.pack(weight)
         self.bias = bias  # [out] or None
 
     def forward(self, h: Tensor) -> Tensor:
@@ -114,17 +116,17 @@ class Dpbf16Linear(nn.Module):
         return self.gemm.linear(_unit_rows(h), self.packed, self.out_features, self.bias)
 
     def add_(self, x: Tensor, h: Tensor) -> Tensor:
-        """``x += self(h)`` in place (rounded once, no temporary), returns x."""
+        """``x += self(h)`` in place (bf16: rounded once; no temporary), returns x."""
         if x.stride(1) != 1:
             return x.add_(self(h))
         return self.gemm.linear_add_(x, _unit_rows(h), self.packed, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dpbf16-packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel-packed"
 
 
 # a linear layer on packed weights
-PackedLayer = PackedLinear | OneDnnLinear | Dpbf16Linear
+PackedLayer = PackedLinear | OneDnnLinear | KernelLinear
 
 
 def _unit_rows(h: Tensor) -> Tensor:
@@ -137,8 +139,8 @@ def pack_linear(weight: Tensor, bias: nn.Parameter | None, gemm: Gemm) -> Packed
     ``[out, in]`` (weight itself is not kept)."""
     if isinstance(gemm, OneDnn):
         return OneDnnLinear(weight, bias, gemm)
-    if isinstance(gemm, Dpbf16):
-        return Dpbf16Linear(weight, bias, gemm)
+    if isinstance(gemm, KernelGemm):
+        return KernelLinear(weight, bias, gemm)
     return PackedLinear(weight, bias, gemm)
 
 
