@@ -555,14 +555,14 @@ def test_fp32_pack_layout() -> None:
 
 @pytest.mark.parametrize(
     "n,k",
-    [(1, 1), (5, 3), (8, 2), (16, 7), (17, 33), (40, 64), (83, 37), (100, 2048), (960, 576)],
+    [(1, 1), (5, 3), (8, 2), (16, 7), (17, 33), (40, 64), (83, 37), (100, 2048), (24, 3001), (960, 576)],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp32_kernel_matches_the_exact_sum(fma: KernelGemm, n: int, k: int, bias: bool) -> None:
     """Every shape class: outputs not multiples of the 16-output blocks or of 8 lanes (masked
     loads and stores), tiles of 1-8 rows, panels of 1-3 blocks, more rows than one pass over
-    the weights takes (K = 2048: 64-row passes). Within fp32 order effects of the exact sum,
-    with bias and with the residual added."""
+    the weights takes, inputs split into 2 or 3 blocks (K = 2048, 3001). Within fp32 order
+    effects of the exact sum, with bias and with the residual added."""
     gen = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None

@@ -193,7 +193,10 @@ int gemm_bf16_dpbf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const
  * The loop is gemm_bf16_dpbf16's: each thread an even share of the 16-output blocks, in panels
  * of G32_NB blocks, each read from memory once per chunk of rows (G32_CHUNK_BYTES of x) and from
  * cache for each tile of up to G32_MR rows (the chunk's rows spread evenly over its tiles, so no
- * tile is left with a row or two). Per input, G32_NB*16/VL vector loads of weights and G32_MR
+ * tile is left with a row or two). Where K > G32_KC the inputs are split into blocks of about
+ * equal size, so that a panel's share of one block stays in L2 while the chunk's tiles pass
+ * over it (a 4,864-input panel alone, 934 KB, would not); the tiles' partial sums wait in a
+ * per-thread scratch of the chunk's rows and continue the same chain of multiply-adds. Per input, G32_NB*16/VL vector loads of weights and G32_MR
  * broadcasts of x feed the tile's G32_MR*G32_NB*16/VL accumulators: 8 x 3 zmm (24 of 32
  * registers) with AVX-512, 6 x 2 ymm (12 of 16) with AVX2. While a panel's first tile computes,
  * it prefetches the next panel (one line of each of its blocks per input; past W's end too:
@@ -209,6 +212,10 @@ int gemm_bf16_dpbf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const
 #endif
 #define G32_VB (16 / VL)             /* vectors per 16-output block */
 #define G32_CHUNK_BYTES (1 << 19)    /* bytes of x per pass over the weights: about half an L2 */
+#define G32_KC 1024                  /* most inputs per block of inputs (a panel's: 192 KB) */
+#define G32_SLD (G32_NB * 16)        /* the scratch's row stride: a panel's outputs */
+/* chunks of rows where K is split (then each block has at least G32_KC/2 inputs) */
+#define G32_SCRATCH_ROWS (G32_CHUNK_BYTES / (4 * (G32_KC / 2)))
 
 int cpu_kernels_gemm_f32(void) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -261,18 +268,21 @@ static inline void g32_store_part(float *p, vn v, vin m) {
 }
 #endif
 
-/* One tile: MR rows (MR <= G32_MR) x NB blocks (NB <= G32_NB), both compile-time constants. p:
- * the panel (block j at p + j*blk); pf: the first line to prefetch, block j's at pf + j*blk
- * floats, one line per input. last_n: the outputs of the panel's last block (16 but at the end
- * of W). The epilogue's loads and stores are masked throughout: with a branch between full and
- * partial vectors GCC kept the accumulators in memory. */
+/* One tile: MR rows (MR <= G32_MR) x NB blocks (NB <= G32_NB), both compile-time constants, over
+ * the K inputs from x[.][0], p[.][0][.] on. p: the panel (block j at p + j*blk); pf: the first
+ * line to prefetch, block j's at pf + j*blk floats, one line per input. in: the sums so far
+ * (row i at in + i*G32_SLD), NULL: none. Writes acc + bias + add to y, masked to last_n outputs
+ * in the panel's last block (16 but at the end of W); a partial sum goes to the scratch rows
+ * with bias, add NULL and last_n 16. The loads and stores are masked throughout: with a branch
+ * between full and partial vectors GCC kept the accumulators in memory. */
 static inline __attribute__((always_inline)) void gemm_f32_tile(
     const float *x, int64_t ldx, const int MR, const float *p, int64_t blk, const int NB,
-    int64_t K, const float *pf, const float *bias, const float *add, int64_t ld_add, float *y,
-    int64_t ldy, int last_n) {
+    int64_t K, const float *pf, const float *in, const float *bias, const float *add,
+    int64_t ld_add, float *y, int64_t ldy, int last_n) {
     vn acc[G32_MR][G32_NB * G32_VB];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NB * G32_VB; j++) acc[i][j] = (vn){0};
+        for (int j = 0; j < NB * G32_VB; j++)
+            acc[i][j] = in ? loadn(in + i * G32_SLD + j * VL) : (vn){0};
 #pragma GCC unroll 2
     for (int64_t k = 0; k < K; k++) {
         vn w[G32_NB * G32_VB];
@@ -297,29 +307,40 @@ static inline __attribute__((always_inline)) void gemm_f32_tile(
 }
 
 /* The rows 0 .. M-1 against one panel of NB blocks, in ceil(M/G32_MR) tiles of as even a size
- * as they can have; pf: the next panel (NULL: none), prefetched by the first tile. */
+ * as they can have, one block of inputs after the other (kb of them, as even in size; partial
+ * sums in scratch, M rows of G32_SLD); pf: the next panel (NULL: none), prefetched by the
+ * first tile of each block of inputs. */
 static inline __attribute__((always_inline)) void gemm_f32_panel(
     const float *x, int64_t ldx, int64_t M, const float *p, int64_t blk, const int NB, int64_t K,
-    const float *pf, const float *bias, const float *add, int64_t ld_add, float *y, int64_t ldy,
-    int last_n) {
+    int64_t kb, const float *pf, const float *bias, const float *add, int64_t ld_add, float *y,
+    int64_t ldy, int last_n, float *scratch) {
     const int64_t tiles = (M + G32_MR - 1) / G32_MR;
-    for (int64_t t = 0, m = 0; t < tiles; t++) {
-        const int64_t rows = M * (t + 1) / tiles - M * t / tiles;
-        const float *tpf = pf && t == 0 ? pf : p;
-        const float *a = add ? add + m * ld_add : NULL;
-        switch ((int)rows) {
-#define G32_TILE(R)                                                                          \
-    case R:                                                                                  \
-        gemm_f32_tile(x + m * ldx, ldx, R, p, blk, NB, K, tpf, bias, a, ld_add, y + m * ldy, \
-                      ldy, last_n);                                                          \
+    for (int64_t b = 0; b < kb; b++) {
+        const int64_t k0 = K * b / kb, kc = K * (b + 1) / kb - k0;
+        const int last = b == kb - 1;
+        for (int64_t t = 0, m = 0; t < tiles; t++) {
+            const int64_t rows = M * (t + 1) / tiles - M * t / tiles;
+            const float *tpf = (pf && t == 0 ? pf : p) + k0 * 16;
+            const float *in = b > 0 ? scratch + m * G32_SLD : NULL;
+            const float *bb = last ? bias : NULL;
+            const float *a = last && add ? add + m * ld_add : NULL;
+            float *out = last ? y + m * ldy : scratch + m * G32_SLD;
+            const int64_t ld_out = last ? ldy : G32_SLD;
+            const int n_last = last ? last_n : 16;
+            switch ((int)rows) {
+#define G32_TILE(R)                                                                             \
+    case R:                                                                                     \
+        gemm_f32_tile(x + m * ldx + k0, ldx, R, p + k0 * 16, blk, NB, kc, tpf, in, bb, a,       \
+                      ld_add, out, ld_out, n_last);                                             \
         break;
-            G32_TILE(1) G32_TILE(2) G32_TILE(3) G32_TILE(4) G32_TILE(5) G32_TILE(6)
+                G32_TILE(1) G32_TILE(2) G32_TILE(3) G32_TILE(4) G32_TILE(5) G32_TILE(6)
 #if G32_MR > 6
-            G32_TILE(7) G32_TILE(8)
+                G32_TILE(7) G32_TILE(8)
 #endif
 #undef G32_TILE
+            }
+            m += rows;
         }
-        m += rows;
     }
 }
 
@@ -330,8 +351,9 @@ int gemm_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *p, 
              int num_threads) {
     if (M <= 0 || N <= 0) return 0;
     const int64_t blk = K * 16, blocks = (N + 15) / 16;
-    const int64_t chunk_rows =
-        G32_CHUNK_BYTES / (4 * K) > G32_MR ? G32_CHUNK_BYTES / (4 * K) : G32_MR;
+    const int64_t kb = (K + G32_KC - 1) / G32_KC, kc = (K + kb - 1) / kb; /* kc >= G32_KC/2 */
+    int64_t chunk_rows = G32_CHUNK_BYTES / (4 * kc) > G32_MR ? G32_CHUNK_BYTES / (4 * kc) : G32_MR;
+    if (kb > 1 && chunk_rows > G32_SCRATCH_ROWS) chunk_rows = G32_SCRATCH_ROWS;
     const int nt = blocks < num_threads ? (int)blocks : num_threads;
 #pragma omp parallel num_threads(nt)
     {
@@ -340,6 +362,7 @@ int gemm_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *p, 
 #else
         const int t = 0, n_t = 1;
 #endif
+        float scratch[kb > 1 ? G32_SCRATCH_ROWS * G32_SLD : 1];
         const int64_t lo = blocks * t / n_t, hi = blocks * (t + 1) / n_t;
         for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
             const int64_t rows = M - m0 < chunk_rows ? M - m0 : chunk_rows;
@@ -352,9 +375,10 @@ int gemm_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *p, 
                 switch (nb) {
 #define G32_PANEL(B)                                                                          \
     case B:                                                                                   \
-        gemm_f32_panel(x + m0 * ldx, ldx, rows, p + b0 * blk, blk, B, K, pf,                  \
+        gemm_f32_panel(x + m0 * ldx, ldx, rows, p + b0 * blk, blk, B, K, kb, pf,              \
                        bias ? bias + 16 * b0 : NULL, add ? add + m0 * ld_add + 16 * b0 : NULL, \
-                       ld_add, y + m0 * ldy + 16 * b0, ldy, left >= 16 ? 16 : (int)left);      \
+                       ld_add, y + m0 * ldy + 16 * b0, ldy, left >= 16 ? 16 : (int)left,       \
+                       scratch);                                                              \
         break;
                     G32_PANEL(1)
 #if G32_NB > 1
