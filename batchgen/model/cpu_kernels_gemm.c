@@ -196,12 +196,13 @@ int gemm_bf16_dpbf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const
  * tile is left with a row or two). Where K > G32_KC the inputs are split into blocks of about
  * equal size, so that a panel's share of one block stays in L2 while the chunk's tiles pass
  * over it (a 4,864-input panel alone, 934 KB, would not); the tiles' partial sums wait in a
- * per-thread scratch of the chunk's rows and continue the same chain of multiply-adds. Per input, G32_NB*16/VL vector loads of weights and G32_MR
- * broadcasts of x feed the tile's G32_MR*G32_NB*16/VL accumulators: 8 x 3 zmm (24 of 32
- * registers) with AVX-512, 6 x 2 ymm (12 of 16) with AVX2. While a panel's first tile computes,
- * it prefetches the next panel (one line of each of its blocks per input; past W's end too:
- * prefetches never fault); the other tiles prefetch their own lines, already in cache, which
- * keeps the loop free of branches. */
+ * per-thread scratch of the chunk's rows and continue the same chain of multiply-adds.
+ *
+ * Per input, G32_NB*16/VL vector loads of weights and G32_MR broadcasts of x feed the tile's
+ * G32_MR*G32_NB*16/VL accumulators: 8 x 3 zmm (24 of 32 registers) with AVX-512, 6 x 2 ymm (12
+ * of 16) with AVX2. While a panel's first tile computes, it prefetches the next panel (one line
+ * of each of its blocks per input; past W's end too: prefetches never fault); the other tiles
+ * prefetch their own lines, already in cache, which keeps the loop free of branches. */
 
 #if defined(__AVX512F__)
 #define G32_MR 8
@@ -237,10 +238,10 @@ static inline vin g32_lanes_below(int n) {
 #if defined(__AVX512F__)
 static inline vn g32_broadcast(const float *x) { return (vn)_mm512_set1_ps(*x); }
 static inline vn g32_load_part(const float *p, vin m) {
-    return (vn)_mm512_maskz_loadu_ps(_mm512_movepi32_mask((__m512i)m), p);
+    return (vn)_mm512_maskz_loadu_ps(_mm512_test_epi32_mask((__m512i)m, (__m512i)m), p);
 }
 static inline void g32_store_part(float *p, vn v, vin m) {
-    _mm512_mask_storeu_ps(p, _mm512_movepi32_mask((__m512i)m), (__m512)v);
+    _mm512_mask_storeu_ps(p, _mm512_test_epi32_mask((__m512i)m, (__m512i)m), (__m512)v);
 }
 #elif defined(__AVX2__)
 static inline vn g32_broadcast(const float *x) { return (vn)_mm256_broadcast_ss(x); }

@@ -16,10 +16,11 @@ one-time check against ``F.linear`` passes; elsewhere, on GPUs and in other dtyp
 :mod:`batchgen.model.packed_linear`; as with ``BATCHGEN_PACK_WEIGHTS=0``, which
 :mod:`batchgen.engine.backends` reads).
 
-fp32 runs here rather than on MKL's packed sgemm: oneDNN uses the CPU's widest vectors, MKL's
-sgemm took its AVX2 code on an AMD EPYC with AVX-512 (Zen 5, 2 threads, the benchmark model's
-layers at 128-2048 rows: oneDNN 430-487 GFLOP/s, MKL 184-207), and with both capped at AVX2
-oneDNN was still 1.2x faster (230-244 against 189-206).
+fp32 runs here where the C kernels' fp32 GEMM (:mod:`batchgen.model.kernel_linear`) does not,
+rather than on MKL's packed sgemm: oneDNN uses the CPU's widest vectors, MKL's sgemm took its
+AVX2 code on an AMD EPYC with AVX-512 (Zen 5, 2 threads, the benchmark model's layers at
+128-2048 rows: oneDNN 430-487 GFLOP/s, MKL 184-207), and with both capped at AVX2 oneDNN was
+still 1.2x faster (230-244 against 189-206).
 
 Rounding: every bf16 output is rounded to bf16 once from an fp32 accumulator, like
 ``F.linear``; the order of the fp32 sums depends on the kernel oneDNN picks for the number of
