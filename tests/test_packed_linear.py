@@ -473,26 +473,6 @@ def test_dpbf16_rows_do_not_depend_on_the_rows_beside_them(dpbf16: KernelGemm, n
         assert torch.equal(rows[picks], alone[: len(picks)]), m
 
 
-def test_dpbf16_strided_rows_and_nan(dpbf16: KernelGemm) -> None:
-    """Rows of h and of the residual at a stride (column slices), and a NaN input stays NaN."""
-    gen = torch.Generator().manual_seed(3)
-    w = torch.randn(40, 24, generator=gen).bfloat16()
-    p = dpbf16.pack(w)
-    h = torch.randn(11, 60, generator=gen).bfloat16()[:, 10:34]
-    wide = torch.randn(11, 90, generator=gen).bfloat16()
-    before = wide.clone()
-    x = wide[:, 5:45]
-    expected = (x.float() + fp32_reference(h, w, None)).bfloat16()
-    dpbf16.linear_add_(x, h, p, None)
-    torch.testing.assert_close(x, expected, rtol=2**-7, atol=1e-2)
-    # the columns beside the slice are untouched
-    assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, 45:], before[:, 45:])
-    h2 = h.contiguous()
-    h2[3, 7] = float("nan")
-    out = dpbf16.linear(h2, p, 40, None)
-    assert out[3].isnan().all() and not out[[0, 1, 2, 4]].isnan().any()
-
-
 def test_dpbf16_is_chosen_only_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's bf16 GEMM: this kernel where the CPU has AVX512-BF16 and no AMX and the
     kernels were built with it; oneDNN (or nothing) on AMX CPUs, in the portable build, and where
@@ -610,22 +590,26 @@ def test_fp32_avx2_build_gives_the_same_bits(fma: KernelGemm) -> None:
             assert torch.equal(avx2.linear_add_(x.clone(), h, p, b), fma.linear_add_(x, h, p, b))
 
 
-def test_fp32_strided_rows_and_nan(fma: KernelGemm) -> None:
+@pytest.mark.parametrize("kind", ["dpbf16", "kernel_fp32"])
+def test_kernel_gemm_strided_rows_and_nan(kind: str) -> None:
     """Rows of h and of the residual at a stride (column slices), and a NaN input stays NaN."""
+    g = find(kind)
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(40, 24, generator=gen)
-    p = fma.pack(w)
-    h = torch.randn(11, 60, generator=gen)[:, 10:34]
-    wide = torch.randn(11, 90, generator=gen)
+    w = torch.randn(40, 24, generator=gen).to(g.dtype)
+    p = g.gemm.pack(w)
+    h = torch.randn(11, 60, generator=gen).to(g.dtype)[:, 10:34]
+    wide = torch.randn(11, 90, generator=gen).to(g.dtype)
     before = wide.clone()
     x = wide[:, 5:45]
-    expected = x + fp32_reference(h, w, None)
-    fma.linear_add_(x, h, p, None)
-    torch.testing.assert_close(x, expected)
+    expected = (x.float() + fp32_reference(h, w, None)).to(g.dtype)
+    g.gemm.linear_add_(x, h, p, None)
+    tol = {"rtol": 2**-7, "atol": 1e-2} if g.dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(x, expected, **tol)
+    # the columns beside the slice are untouched
     assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, 45:], before[:, 45:])
     h2 = h.contiguous()
     h2[3, 7] = float("nan")
-    out = fma.linear(h2, p, 40, None)
+    out = g.gemm.linear(h2, p, 40, None)
     assert out[3].isnan().all() and not out[[0, 1, 2, 4]].isnan().any()
 
 

@@ -31,6 +31,19 @@
 #define GEMM_MR 8                   /* rows per tile */
 #define GEMM_CHUNK_BYTES (1 << 19)  /* bytes of x per pass over the weights: about half an L2 */
 
+/* This thread's share of a GEMM's 16-output blocks [lo, hi): an even share (panels of several
+ * blocks would leave one thread a panel more where their count is odd: 11 panels of a 512-wide
+ * output on 2 threads). Called inside the parallel region. */
+static inline void gemm_thread_blocks(int64_t blocks, int64_t *lo, int64_t *hi) {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+#else
+    const int t = 0, n_t = 1;
+#endif
+    *lo = blocks * t / n_t;
+    *hi = blocks * (t + 1) / n_t;
+}
+
 int cpu_kernels_gemm_dpbf16(void) {
 #if defined(__AVX512BF16__)
     return 1;
@@ -134,14 +147,8 @@ int gemm_bf16_dpbf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const
     const int nt = blocks < num_threads ? (int)blocks : num_threads;
 #pragma omp parallel num_threads(nt)
     {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
-#else
-        const int t = 0, n_t = 1;
-#endif
-        /* this thread's blocks: an even share (panels of GEMM_NB would leave one thread a
-         * panel more where their count is odd: 11 panels of a 512-wide output on 2 threads) */
-        const int64_t lo = blocks * t / n_t, hi = blocks * (t + 1) / n_t;
+        int64_t lo, hi;
+        gemm_thread_blocks(blocks, &lo, &hi);
         for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
             const int64_t rows = M - m0 < chunk_rows ? M - m0 : chunk_rows;
             for (int64_t b0 = lo; b0 < hi; b0 += GEMM_NB) {
@@ -358,13 +365,9 @@ int gemm_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *p, 
     const int nt = blocks < num_threads ? (int)blocks : num_threads;
 #pragma omp parallel num_threads(nt)
     {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
-#else
-        const int t = 0, n_t = 1;
-#endif
         float scratch[kb > 1 ? G32_SCRATCH_ROWS * G32_SLD : 1];
-        const int64_t lo = blocks * t / n_t, hi = blocks * (t + 1) / n_t;
+        int64_t lo, hi;
+        gemm_thread_blocks(blocks, &lo, &hi);
         for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
             const int64_t rows = M - m0 < chunk_rows ? M - m0 : chunk_rows;
             for (int64_t b0 = lo; b0 < hi; b0 += G32_NB) {
