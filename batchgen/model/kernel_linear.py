@@ -17,7 +17,7 @@ batchgen/model/cpu_kernels_gemm.c), on weights packed once at load time.
   threads, ``scripts/bench_gemm.py --models smollm2,qwen --no-table --stream 24 --stream-dtype
   float32`` (oneDNN fp32 is what ran before): with both capped at AVX2 (``BATCHGEN_CPU_ISA=avx2``,
   ``ONEDNN_MAX_CPU_ISA=AVX2``) 1.14-1.69x as fast as oneDNN at 1-64 rows, 1.07x at 256; natively
-  1.06-1.14x at 1-64 rows, and at 256-4,096 rows in cache within a few percent either way
+  1.06-1.14x at 1-64 rows, and at 256-4,096 rows in cache 0.93-1.02x
   (docs/performance.md has the figures).
 
 Rounding: bf16 outputs are the fp32 sum of exact bf16 products over the inputs in ascending
