@@ -207,9 +207,9 @@ int gemm_bf16_dpbf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const
  *
  * Per input, G32_NB*16/VL vector loads of weights and G32_MR broadcasts of x feed the tile's
  * G32_MR*G32_NB*16/VL accumulators: 8 x 3 zmm (24 of 32 registers) with AVX-512, 6 x 2 ymm (12
- * of 16) with AVX2. While a panel's first tile computes, it prefetches the next panel (one line
- * of each of its blocks per input; past W's end too: prefetches never fault); the other tiles
- * prefetch their own lines, already in cache, which keeps the loop free of branches. */
+ * of 16) with AVX2. While a panel computes, its tiles prefetch the next panel, each an even
+ * share of its lines (one line of each of its blocks per step, past W's end too: prefetches
+ * never fault; with no next panel, a tile's own lines, already in cache: no branches). */
 
 #if defined(__AVX512F__)
 #define G32_MR 8
@@ -277,16 +277,17 @@ static inline void g32_store_part(float *p, vn v, vin m) {
 #endif
 
 /* One tile: MR rows (MR <= G32_MR) x NB blocks (NB <= G32_NB), both compile-time constants, over
- * the K inputs from x[.][0], p[.][0][.] on. p: the panel (block j at p + j*blk); pf: the first
- * line to prefetch, block j's at pf + j*blk floats, one line per input. in: the sums so far
+ * the K inputs from x[.][0], p[.][0][.] on. p: the panel (block j at p + j*blk); pf: the panel
+ * to prefetch (block j at pf + j*blk), line pos >> 16 of each block at the first input, then
+ * pos advancing by step per input (16-bit fixed point). in: the sums so far
  * (row i at in + i*G32_SLD), NULL: none. Writes acc + bias + add to y, masked to last_n outputs
  * in the panel's last block (16 but at the end of W); a partial sum goes to the scratch rows
  * with bias, add NULL and last_n 16. The loads and stores are masked throughout: with a branch
  * between full and partial vectors GCC kept the accumulators in memory. */
 static inline __attribute__((always_inline)) void gemm_f32_tile(
     const float *x, int64_t ldx, const int MR, const float *p, int64_t blk, const int NB,
-    int64_t K, const float *pf, const float *in, const float *bias, const float *add,
-    int64_t ld_add, float *y, int64_t ldy, int last_n) {
+    int64_t K, const float *pf, uint64_t pos, uint64_t step, const float *in, const float *bias,
+    const float *add, int64_t ld_add, float *y, int64_t ldy, int last_n) {
     vn acc[G32_MR][G32_NB * G32_VB];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NB * G32_VB; j++)
@@ -304,7 +305,9 @@ static inline __attribute__((always_inline)) void gemm_f32_tile(
         vn w[G32_NB * G32_VB];
         for (int j = 0; j < NB * G32_VB; j++)
             w[j] = loadn(p + (j / G32_VB) * blk + k * 16 + (j % G32_VB) * VL);
-        for (int j = 0; j < NB; j++) __builtin_prefetch(pf + j * blk + k * 16, 0, 3);
+        const float *line = pf + (pos >> 16) * 16;
+        for (int j = 0; j < NB; j++) __builtin_prefetch(line + j * blk, 0, 3);
+        pos += step;
         for (int i = 0; i < MR; i++) {
             const vn xb = g32_broadcast(x + i * ldx + k);
             for (int j = 0; j < NB * G32_VB; j++) acc[i][j] += xb * w[j];
@@ -324,8 +327,9 @@ static inline __attribute__((always_inline)) void gemm_f32_tile(
 
 /* The rows 0 .. M-1 against one panel of NB blocks, in ceil(M/G32_MR) tiles of as even a size
  * as they can have, one block of inputs after the other (kb of them, as even in size; partial
- * sums in scratch, M rows of G32_SLD); pf: the next panel (NULL: none), prefetched by the
- * first tile of each block of inputs. */
+ * sums in scratch, M rows of G32_SLD); pf: the next panel (NULL: none), prefetched over all
+ * the tiles, each taking an even share of its lines (a decode step's weights then stream from
+ * memory at the pace of the arithmetic, not in a burst during the first tile). */
 static inline __attribute__((always_inline)) void gemm_f32_panel(
     const float *x, int64_t ldx, int64_t M, const float *p, int64_t blk, const int NB, int64_t K,
     int64_t kb, const float *pf, const float *bias, const float *add, int64_t ld_add, float *y,
@@ -336,7 +340,11 @@ static inline __attribute__((always_inline)) void gemm_f32_panel(
         const int last = b == kb - 1;
         for (int64_t t = 0, m = 0; t < tiles; t++) {
             const int64_t rows = M * (t + 1) / tiles - M * t / tiles;
-            const float *tpf = (pf && t == 0 ? pf : p) + k0 * 16;
+            /* tile t prefetches lines k0 + (t*kc .. (t+1)*kc - 1) / tiles of the next panel's
+             * block; without one, its own lines (in cache), one per input */
+            const float *tpf = (pf ? pf : p) + k0 * 16;
+            const uint64_t step = pf ? ((uint64_t)1 << 16) / (uint64_t)tiles : (uint64_t)1 << 16;
+            const uint64_t pos = pf ? (uint64_t)t * (uint64_t)kc * step : 0;
             const float *in = b > 0 ? scratch + m * G32_SLD : NULL;
             const float *bb = last ? bias : NULL;
             const float *a = last && add ? add + m * ld_add : NULL;
@@ -346,8 +354,8 @@ static inline __attribute__((always_inline)) void gemm_f32_panel(
             switch ((int)rows) {
 #define G32_TILE(R)                                                                             \
     case R:                                                                                     \
-        gemm_f32_tile(x + m * ldx + k0, ldx, R, p + k0 * 16, blk, NB, kc, tpf, in, bb, a,       \
-                      ld_add, out, ld_out, n_last);                                             \
+        gemm_f32_tile(x + m * ldx + k0, ldx, R, p + k0 * 16, blk, NB, kc, tpf, pos, step, in,   \
+                      bb, a, ld_add, out, ld_out, n_last);                                      \
         break;
                 G32_TILE(1) G32_TILE(2) G32_TILE(3) G32_TILE(4) G32_TILE(5) G32_TILE(6)
 #if G32_MR > 6
