@@ -14,11 +14,11 @@ batchgen/model/cpu_kernels_gemm.c), on weights packed once at load time.
 - **fp32**, on CPUs with AVX2 and FMA or with AVX-512: fused multiply-adds on the same loop
   (tiles of 8 rows x 48 outputs in AVX-512 registers, 6 x 16 in AVX2's; inputs in blocks of up
   to 1,024). SmolLM2-135M's projections, 24 layers with distinct weights, AMD EPYC Zen 5, 2
-  threads, ``scripts/bench_gemm.py --models smollm2,qwen --no-table --stream 24 --stream-dtype
+  threads, ``scripts/bench_gemm.py --models smollm2 --no-table --stream 24 --stream-dtype
   float32`` (oneDNN fp32 is what ran before): with both capped at AVX2 (``BATCHGEN_CPU_ISA=avx2``,
-  ``ONEDNN_MAX_CPU_ISA=AVX2``) 1.14-1.69x as fast as oneDNN at 1-64 rows, 1.07x at 256; natively
-  1.06-1.14x at 1-64 rows, and at 256-4,096 rows in cache 0.93-1.02x
-  (docs/performance.md has the figures).
+  ``ONEDNN_MAX_CPU_ISA=AVX2``) 1.15-1.85x as fast as oneDNN at 8-64 rows; natively 1.18-1.41x
+  at 8-64 rows, 1.07x at 256, and at 256-4,096 rows in cache 0.93-1.02x (docs/performance.md
+  has the figures).
 
 Rounding: bf16 outputs are the fp32 sum of exact bf16 products over the inputs in ascending
 pairs, plus the bias and the residual, rounded to bf16 once (to nearest even). fp32 outputs are
