@@ -10,8 +10,8 @@ tokens or whole prompts):
   settings below: fp32 5.4e-5 on an AVX-512 CPU with MKL's GEMM, 3.6e-5 with oneDNN's and with
   batchgen's own, whose rows do not depend on the rows beside them (since 2026-12-03; 2.9e-5
   with every library capped at AVX2: what is left follows attention tiling and chunked
-  prefill), 2.4e-4 on an AVX2-only one (before both GEMMs), whose GEMM
-  and attention kernels sum in other orders; bf16 1.9e-3 on both, where every layer's output is
+  prefill), 2.4e-4 on an AVX2-only one (with MKL's GEMM), whose GEMM and attention kernels
+  sum in other orders; bf16 1.9e-3 on both, where every layer's output is
   rounded to 8 bits of mantissa and the GEMM kernel, hence its order of sums, follows the step's
   row count; 0 on the AVX-512 CPU once its per-token and tiled attention kernels both took q.k
   as exact bf16 products). The bounds leave about 4x room over the worst CPU measured;

@@ -629,7 +629,7 @@ def test_layer_implementations_are_chosen_at_load(
     native: bool, dtype: torch.dtype, model_dirs: dict[str, Path]
 ) -> None:
     """Each layer is built with its implementation: on a CPU the C kernels (fp32 and bf16) with
-    their own GEMM's packed weights in fp32 and AVX512-BF16 or oneDNN-packed ones in bf16; without them
+    batchgen's own GEMM in fp32 and AVX512-BF16 or oneDNN-packed ones in bf16; without them
     torch's fused RMSNorm in fp32 and the HF formula in half precision."""
     from batchgen.model.kernel_linear import KernelGemm
     from batchgen.model.layers.activation import CpuSiluMul, silu_mul_

@@ -477,16 +477,14 @@ class CpuKernels:
         :attr:`gemm_dpbf16`, fp32 where :attr:`gemm_f32`."""
         m, k = h.shape
         n, dt = out_features, h.dtype
-        layout = {
-            torch.bfloat16: ((n + 15) // 16, (k + 1) // 2, 16, 2),
-            torch.float32: ((n + 15) // 16, k, 16),
-        }
+        bf16 = dt == torch.bfloat16
+        layout = ((n + 15) // 16, (k + 1) // 2, 16, 2) if bf16 else ((n + 15) // 16, k, 16)
         ok = (
-            (self.gemm_dpbf16 if dt == torch.bfloat16 else self.gemm_f32 and dt == torch.float32)
+            (self.gemm_dpbf16 if bf16 else self.gemm_f32 and dt == torch.float32)
             and packed.dtype == out.dtype == dt
             and h.stride(1) == 1
             and packed.is_contiguous()
-            and packed.shape == layout[dt]
+            and packed.shape == layout
             and out.shape == (m, n)
             and out.stride(1) == 1
             and (bias is None or (bias.dtype == dt and bias.is_contiguous()

@@ -64,7 +64,8 @@ def pack(weight: Tensor) -> Tensor:
 
 
 class KernelGemm:
-    """The GEMM on packed weights of one dtype, through the C kernels ``kernels``."""
+    """The GEMM on packed weights, bf16 or fp32 by the tensors' dtype, through the C kernels
+    ``kernels``."""
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
