@@ -623,7 +623,27 @@ static inline void transpose16(v16 *r) {
     SWAP_BLOCKS(2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
     SWAP_BLOCKS(1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
 }
-#undef SWAP_BLOCKS
+#if VL == 8
+/* transpose16 for AVX2 builds, where a v16 lives on the stack: r[0..8) (8 lanes each) in place
+ * from rows to columns, the same three rounds of swaps at blocks of 4, 2 and 1 lanes. A 16-lane
+ * tile transposes as 8 x 8 quarters. */
+#define HI8_4 4, 5, 6, 7, 12, 13, 14, 15
+#define HI8_2 2, 3, 10, 11, 6, 7, 14, 15
+#define HI8_1 1, 9, 3, 11, 5, 13, 7, 15
+#define SWAP_BLOCKS8(B, ...)                                                                    \
+    for (int i = 0; i < 8; i++) {                                                              \
+        if (i & (B)) continue;                                                                 \
+        const vn a = r[i], b = r[i + (B)];                                                     \
+        r[i] = __builtin_shufflevector(a, b, __VA_ARGS__);                                     \
+        r[i + (B)] = __builtin_shufflevector(a, b, HI8_##B);                                   \
+    }
+static inline __attribute__((always_inline)) void transpose8(vn *r) {
+    SWAP_BLOCKS8(4, 0, 1, 2, 3, 8, 9, 10, 11)
+    SWAP_BLOCKS8(2, 0, 1, 8, 9, 4, 5, 12, 13)
+    SWAP_BLOCKS8(1, 0, 8, 2, 10, 4, 12, 6, 14)
+}
+#undef SWAP_BLOCKS8
+#endif
 
 /* A tile's query rows (fp32, or bf16 when bf) into its transposed fp32 layout:
  * qt[16*d + lane] = rows[lane][d] * scale. */
@@ -635,6 +655,18 @@ static void load_tile(const void *const *rows, int bf, float scale, int D, float
                     (bf ? load1_any(rows[lane], d, 1) : load1_any(rows[lane], d, 0)) * scale;
         return;
     }
+#if VL == 8
+    for (int c = 0; c < D; c += 8)
+        for (int h = 0; h < 16; h += 8) { /* lanes h .. h+7, elements c .. c+7 */
+            vn r[8];
+            if (bf)
+                for (int i = 0; i < 8; i++) r[i] = loadn_kv(rows[h + i], c, 1, 0) * scale;
+            else
+                for (int i = 0; i < 8; i++) r[i] = loadn_kv(rows[h + i], c, 0, 0) * scale;
+            transpose8(r);
+            for (int j = 0; j < 8; j++) storen(qt + 16 * (c + j) + h, r[j]);
+        }
+#else
     for (int c = 0; c < D; c += 16) {
         v16 r[16];
         if (bf)
@@ -644,6 +676,7 @@ static void load_tile(const void *const *rows, int bf, float scale, int D, float
         transpose16(r);
         for (int j = 0; j < 16; j++) store16(qt + 16 * (c + j), r[j]);
     }
+#endif
 }
 
 #if defined(TILE_DPBF16)
@@ -707,12 +740,22 @@ static void unload_tile(const float *ot, int D, float *out) {
             for (int d = 0; d < D; d++) out[lane * D + d] = ot[16 * d + lane];
         return;
     }
+#if VL == 8
+    for (int c = 0; c < D; c += 8)
+        for (int h = 0; h < 16; h += 8) {
+            vn r[8];
+            for (int j = 0; j < 8; j++) r[j] = loadn(ot + 16 * (c + j) + h);
+            transpose8(r);
+            for (int i = 0; i < 8; i++) storen(out + (h + i) * D + c, r[i]);
+        }
+#else
     for (int c = 0; c < D; c += 16) {
         v16 r[16];
         for (int j = 0; j < 16; j++) r[j] = load16(ot + 16 * (c + j));
         transpose16(r);
         for (int lane = 0; lane < 16; lane++) store16(out + lane * D + c, r[lane]);
     }
+#endif
 }
 
 /* One item: gather its keys, then every tile of its rows. Scratch: kbuf and vbuf hold
