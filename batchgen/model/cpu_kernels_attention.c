@@ -604,24 +604,26 @@ static const int32_t NO_LOWER16[16] = {NO_LOWER, NO_LOWER, NO_LOWER, NO_LOWER, N
                                        NO_LOWER, NO_LOWER, NO_LOWER, NO_LOWER, NO_LOWER,
                                        NO_LOWER};
 
+/* One round of a transpose of r[0..N) (vectors of type V, N lanes): rows i and i + B (i & B
+ * clear) swap their off-diagonal blocks of B lanes, lanes LO (__VA_ARGS__) and HI of the pair. */
+#define SWAP_BLOCKS(V, N, B, HI, ...)                                                           \
+    for (int i = 0; i < (N); i++) {                                                            \
+        if (i & (B)) continue;                                                                 \
+        const V a = r[i], b = r[i + (B)];                                                      \
+        r[i] = __builtin_shufflevector(a, b, __VA_ARGS__);                                     \
+        r[i + (B)] = __builtin_shufflevector(a, b, HI);                                        \
+    }
 /* r[0..16) in place from rows to columns: afterwards r[j][i] is the old r[i][j]. Four rounds
  * swap the off-diagonal blocks of 8, 4, 2 and 1 lanes: 64 two-source shuffles in all. */
-#define SWAP_BLOCKS(B, ...)                                                                     \
-    for (int i = 0; i < 16; i++) {                                                             \
-        if (i & (B)) continue;                                                                 \
-        const v16 a = r[i], b = r[i + (B)];                                                    \
-        r[i] = __builtin_shufflevector(a, b, __VA_ARGS__);                                     \
-        r[i + (B)] = __builtin_shufflevector(a, b, HI_##B);                                    \
-    }
 #define HI_8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
 #define HI_4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
 #define HI_2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
 #define HI_1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
 static inline void transpose16(v16 *r) {
-    SWAP_BLOCKS(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-    SWAP_BLOCKS(4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
-    SWAP_BLOCKS(2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
-    SWAP_BLOCKS(1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+    SWAP_BLOCKS(v16, 16, 8, HI_8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+    SWAP_BLOCKS(v16, 16, 4, HI_4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+    SWAP_BLOCKS(v16, 16, 2, HI_2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+    SWAP_BLOCKS(v16, 16, 1, HI_1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
 }
 #if VL == 8
 /* transpose16 for AVX2 builds, where a v16 lives on the stack: r[0..8) (8 lanes each) in place
@@ -630,20 +632,13 @@ static inline void transpose16(v16 *r) {
 #define HI8_4 4, 5, 6, 7, 12, 13, 14, 15
 #define HI8_2 2, 3, 10, 11, 6, 7, 14, 15
 #define HI8_1 1, 9, 3, 11, 5, 13, 7, 15
-#define SWAP_BLOCKS8(B, ...)                                                                    \
-    for (int i = 0; i < 8; i++) {                                                              \
-        if (i & (B)) continue;                                                                 \
-        const vn a = r[i], b = r[i + (B)];                                                     \
-        r[i] = __builtin_shufflevector(a, b, __VA_ARGS__);                                     \
-        r[i + (B)] = __builtin_shufflevector(a, b, HI8_##B);                                   \
-    }
 static inline __attribute__((always_inline)) void transpose8(vn *r) {
-    SWAP_BLOCKS8(4, 0, 1, 2, 3, 8, 9, 10, 11)
-    SWAP_BLOCKS8(2, 0, 1, 8, 9, 4, 5, 12, 13)
-    SWAP_BLOCKS8(1, 0, 8, 2, 10, 4, 12, 6, 14)
+    SWAP_BLOCKS(vn, 8, 4, HI8_4, 0, 1, 2, 3, 8, 9, 10, 11)
+    SWAP_BLOCKS(vn, 8, 2, HI8_2, 0, 1, 8, 9, 4, 5, 12, 13)
+    SWAP_BLOCKS(vn, 8, 1, HI8_1, 0, 8, 2, 10, 4, 12, 6, 14)
 }
-#undef SWAP_BLOCKS8
 #endif
+#undef SWAP_BLOCKS
 
 /* A tile's query rows (fp32, or bf16 when bf) into its transposed fp32 layout:
  * qt[16*d + lane] = rows[lane][d] * scale. */
