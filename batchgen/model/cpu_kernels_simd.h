@@ -113,11 +113,17 @@ static inline uint16_t f32_to_bf16(float f) {
 /* bf16 rounding of an fp32 value, as an fp32 (the value torch's bf16 tensor op would store) */
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+#if defined(__AVX512BW__)
+/* 16 bf16 values as fp32: one widening move and a shift (GCC splits the generic form,
+ * convertvector and << 16, into 256-bit halves) */
+static inline v16 widen16_bf16(__m256i h) {
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+}
+#endif
+
 static inline v16 load16_bf16(const uint16_t *p) {
 #if defined(__AVX512BW__)
-    /* one widening load (GCC split the generic form below into 256-bit halves) */
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return (v16)_mm512_slli_epi32(wide, 16);
+    return widen16_bf16(_mm256_loadu_si256((const __m256i *)p));
 #else
     vh16 h;
     memcpy(&h, p, sizeof h);
@@ -168,8 +174,7 @@ static inline void store16_bf16(uint16_t *p, v16 v) {
 
 static inline v16 round16_bf16(v16 x) {
 #if defined(__AVX512BF16__)
-    const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)x));
-    return (v16)_mm512_slli_epi32(wide, 16);
+    return widen16_bf16((__m256i)_mm512_cvtneps_pbh((__m512)x));
 #elif defined(__AVX512BW__)
     return (v16)_mm512_castsi512_ps(round_bits16(x));
 #else
