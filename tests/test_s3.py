@@ -150,12 +150,14 @@ def s3_job(
 
 def manifest(s3: Any, sub: str = "out") -> dict[str, Any] | None:
     """The manifest, read again when it is being replaced: moto (unlike S3, whose PUTs are
-    atomic) can serve an object that a concurrent PUT is still writing."""
+    atomic) can serve an object that a concurrent PUT is still writing, the new text's start
+    over the old one's tail: malformed JSON or, cut inside a character, bytes that are not
+    UTF-8 (both ValueErrors)."""
     for _ in range(50):
         raw = ObjectFolder(f"{s3.uri}/{sub}").read_bytes(MANIFEST_NAME)
         try:
             return json.loads(raw) if raw else None
-        except json.JSONDecodeError:
+        except ValueError:  # json.JSONDecodeError or UnicodeDecodeError
             time.sleep(0.02)
     raise AssertionError("the manifest stays unreadable")
 
