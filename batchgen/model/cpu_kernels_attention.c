@@ -203,7 +203,7 @@ static inline __attribute__((always_inline)) void qk_v8(const float *qs, const v
             prefetch_row(at_kv(v_base, key_off[j0 + jj < n ? j0 + jj : n - 1], BF, I8), D, BF, I8);
         }
         /* unrolled whole: else GCC keeps acc on the stack and each FMA waits for the store of
-         * the one before (the whole kernel 1.45x slower with its K/V in cache, AMD Zen 3) */
+         * the one before (the whole kernel 1.4-1.5x slower with its K/V in cache, AMD Zen 3) */
 #pragma GCC unroll 8
         for (int jj = 0; jj < KPC; jj++) {
             const int64_t kp = key_off[j0 + jj < n ? j0 + jj : n - 1];
