@@ -177,8 +177,9 @@ class ScriptedModel(torch.nn.Module):
         self.register_buffer("table", table)
         self.vocab_size = vocab_size
 
-    def forward(self, input_ids, positions, kv_cache, meta):
-        return input_ids  # [T]: the "hidden state" of a token is the token
+    def forward(self, input_ids, positions, kv_cache, meta, keep=None):
+        # [T]: the "hidden state" of a token is the token
+        return input_ids if keep is None else input_ids[keep]
 
     def compute_logits(self, hidden):
         return torch.nn.functional.one_hot(self.table[hidden], self.vocab_size).float()  # [S, V]

@@ -18,6 +18,12 @@ class StepTensors:
     positions: torch.Tensor  # [T] int64: their positions in their sequences
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: row of hidden states to sample, once per target
+    # The rows the forward pass need compute in full (see the model's ``forward(keep=...)``):
+    # ``keep [K]`` int64, the distinct rows of ``logits_indices`` in order, and ``kept_indices
+    # [S]`` int64, each of those rows' place in ``keep``. None when every row is wanted (a step
+    # of decodes alone) or when a chunk scores its prompt (prompt logprobs read every row).
+    keep: torch.Tensor | None = None
+    kept_indices: torch.Tensor | None = None
     # Rows of ``input_ids`` whose token is in flight (sampled by the previous step, not known to
     # the host: a placeholder 0 until ``fill_pending``) and, for each, its row in that step's
     # sampled tokens. [F] int64 each; None when no token is in flight.
@@ -79,13 +85,14 @@ def build_step(
     for i, chunk in enumerate(batch.chunks):
         if chunk.samples:
             logits_indices.extend([last_row[i]] * len(chunk.seq.targets))
+    keep, kept_indices = _kept_rows(batch, logits_indices, len(input_ids))
 
     max_blocks = max(len(t) for t in tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
     if staging is not None:
         return _staged(staging, input_ids, positions, padded, cu_seqlens, seq_lens,
                        logits_indices, layout, batch, block_size, max_blocks,
-                       fill_rows, fill_src, first_rows)  # fmt: skip
+                       fill_rows, fill_src, first_rows, keep, kept_indices)  # fmt: skip
     block_tables = torch.tensor(padded, dtype=torch.int32)  # [B, max_blocks]
     pos = torch.tensor(positions, dtype=torch.int64)  # [T]
     q_lens = torch.tensor([batch.chunks[i].num_tokens for i in layout], dtype=torch.int64)
@@ -108,6 +115,12 @@ def build_step(
         fills = tuple(
             torch.tensor(x, dtype=torch.int64, device=device) for x in (fill_rows, fill_src)
         )
+    kept = (None, None)
+    if keep is not None:
+        assert kept_indices is not None
+        kept = tuple(
+            torch.tensor(x, dtype=torch.int64, device=device) for x in (keep, kept_indices)
+        )
     return StepTensors(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=pos.to(device),
@@ -116,7 +129,23 @@ def build_step(
         fill_rows=fills[0],
         fill_src=fills[1],
         first_rows=first_rows,
+        keep=kept[0],
+        kept_indices=kept[1],
     )
+
+
+def _kept_rows(
+    batch: Batch, logits_indices: list[int], num_rows: int
+) -> tuple[list[int] | None, list[int] | None]:
+    """``keep`` and ``kept_indices`` of :class:`StepTensors` as host lists (None, None when
+    every row is wanted)."""
+    if any(c.seq.prompt_logprobs is not None for c in batch.chunks):
+        return None, None
+    keep = sorted(set(logits_indices))
+    if len(keep) == num_rows:
+        return None, None
+    place = {row: j for j, row in enumerate(keep)}
+    return keep, [place[row] for row in logits_indices]
 
 
 def _staged(
@@ -134,6 +163,8 @@ def _staged(
     fill_rows: list[int],
     fill_src: list[int],
     first_rows: tuple[int, ...],
+    keep: list[int] | None,
+    kept_indices: list[int] | None,
 ) -> StepTensors:
     """``build_step`` through ``staging``: slots computed on the host, one int64 and one int32
     upload."""
@@ -142,9 +173,11 @@ def _staged(
         chunk = batch.chunks[i]
         for p in range(chunk.start, chunk.start + chunk.num_tokens):
             slots.append(row[p // block_size] * block_size + p % block_size)
-    ids_t, pos_t, slots_t, logits_t, fill_rows_t, fill_src_t = staging.upload(
-        torch.int64, [input_ids, positions, slots, logits_indices, fill_rows, fill_src]
-    )
+    ids_t, pos_t, slots_t, logits_t, fill_rows_t, fill_src_t, keep_t, kept_t = staging.upload(
+        torch.int64,
+        [input_ids, positions, slots, logits_indices, fill_rows, fill_src,
+         keep or [], kept_indices or []],
+    )  # fmt: skip
     tables_t, cu_t, lens_t = staging.upload(
         torch.int32, [[b for row in padded for b in row], cu_seqlens, seq_lens]
     )
@@ -166,4 +199,6 @@ def _staged(
         fill_rows=fill_rows_t if fill_rows else None,
         fill_src=fill_src_t if fill_rows else None,
         first_rows=first_rows,
+        keep=keep_t if keep is not None else None,
+        kept_indices=kept_t if keep is not None else None,
     )

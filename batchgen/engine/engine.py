@@ -248,21 +248,27 @@ class Engine:
                 assert prev is not None and prev.tokens is not None
                 step.fill_pending(prev.tokens)
         with profile.span("forward"):
+            sample_rows = step.logits_indices  # rows of ``hidden`` that sample
             if self.graphs is not None and self.graphs.supports(step):
+                assert step.keep is None  # a step of decodes alone wants every row
                 hidden = self.graphs.run(step)
             else:
                 # the quantized cache's scales go with it (models of float caches never see them)
                 scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
                 hidden = self.model(
-                    step.input_ids, step.positions, self.kv_cache, step.meta, **scales
-                )
+                    step.input_ids, step.positions, self.kv_cache, step.meta, **scales,
+                    keep=step.keep,
+                )  # fmt: skip
+                if step.keep is not None:
+                    assert step.kept_indices is not None
+                    sample_rows = step.kept_indices
         self._account(batch)
         with profile.span("prompt_logprobs"):
             self._prompt_logprobs(batch, step.first_rows, hidden)
         if not len(step.logits_indices):
             return _Launched(batch, None, None)
         with profile.span("lm_head"):
-            logits = self.model.compute_logits(hidden[step.logits_indices])
+            logits = self.model.compute_logits(hidden[sample_rows])
         with profile.span("sample"):
             tokens, logprobs, top = self._sample(batch, logits)
             readback = self.readback.start(tokens, logprobs)

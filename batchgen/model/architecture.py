@@ -34,9 +34,12 @@ class CausalLM(Protocol):
         kv_cache: Tensor,
         meta: AttentionMetadata,
         kv_scales: Tensor | None = None,
+        keep: Tensor | None = None,
     ) -> Tensor:
         """input_ids ``[T]``, positions ``[T]``, the paged cache (and a quantized cache's
-        scales) -> hidden ``[T, hidden]`` after the final norm."""
+        scales) -> hidden ``[T, hidden]`` after the final norm; with ``keep [K]`` (sorted,
+        unique rows) the hidden states of those rows only, ``[K, hidden]``, each as it is
+        without ``keep`` (a model may compute only those rows' last-layer MLP)."""
         ...
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -111,12 +111,19 @@ class GemmaDecoderLayer(nn.Module):
         plan: Any,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        keep: Tensor | None = None,
     ) -> Tensor:
-        # the attention and the MLP add into a residual: given zeros, they return their output
+        # x [T, hidden]; with ``keep [K]`` the result is that of the kept rows only (see
+        # LlamaDecoderLayer). The attention and the MLP add into a residual: given zeros, they
+        # return their output.
+        h = self.input_layernorm(x)
+        if keep is not None:
+            x = x[keep]
         a = self.self_attn(
-            self.input_layernorm(x), cos, sin, k_cache, v_cache, plan, torch.zeros_like(x),
-            k_scale, v_scale,
-        )  # fmt: skip
+            h, cos, sin, k_cache, v_cache, plan, torch.zeros_like(x), k_scale, v_scale, keep
+        )
+        if x.shape[0] == 0:
+            return x
         x = x + self.post_attention_layernorm(a)
         m = self.mlp(self.pre_feedforward_layernorm(x), residual=torch.zeros_like(x))
         return x + self.post_feedforward_layernorm(m)

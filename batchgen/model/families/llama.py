@@ -88,11 +88,13 @@ class LlamaAttention(nn.Module):
         residual: Tensor,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        keep: Tensor | None = None,
     ) -> Tensor:
         """h ``[T, hidden]`` normed input -> ``residual += o_proj(attention)``, in place.
         cos/sin ``[T, D/2]``; caches ``[num_blocks, block_size, Hkv, D]``; ``plan``: this step's
         ``attention.prepare`` result; scales ``[num_blocks, block_size, Hkv]`` of a quantized
-        cache, else None."""
+        cache, else None. ``keep [K]`` int64 (None: every row): o_proj runs at these rows only
+        and ``residual`` is ``[K, hidden]``; every row's K/V is stored all the same."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) * D]
@@ -114,7 +116,12 @@ class LlamaAttention(nn.Module):
         if self.sinks is not None:
             extra["sinks"] = self.sinks
         o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale, **extra)
-        return self.o_proj.add_(residual, o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        if keep is not None:
+            o = o[keep]  # [K, Hq * D]
+        if o.shape[0] == 0:
+            return residual
+        return self.o_proj.add_(residual, o)
 
 
 def layer_plans(
@@ -210,10 +217,16 @@ class LlamaDecoderLayer(nn.Module):
         plan: Any,
         k_scale: Tensor | None = None,
         v_scale: Tensor | None = None,
+        keep: Tensor | None = None,
     ) -> Tensor:
-        # x [T, hidden] is the residual stream, owned by the model's forward: updated in place
+        # x [T, hidden] is the residual stream, owned by the model's forward: updated in place.
+        # With ``keep [K]`` the result is that of the kept rows only, [K, hidden] (a new tensor).
         h = self.input_layernorm(x)
-        self.self_attn(h, cos, sin, k_cache, v_cache, plan, x, k_scale, v_scale)
+        if keep is not None:
+            x = x[keep]
+        self.self_attn(h, cos, sin, k_cache, v_cache, plan, x, k_scale, v_scale, keep)
+        if x.shape[0] == 0:
+            return x
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
@@ -271,20 +284,29 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: Tensor,
         meta: AttentionMetadata,
         kv_scales: Tensor | None = None,
+        keep: Tensor | None = None,
     ) -> Tensor:
         """input_ids ``[T]`` int64, positions ``[T]`` int64, kv_cache
         ``[L, 2, num_blocks, block_size, Hkv, D]`` and, for a quantized (int8 / fp8) cache, its
         scales ``kv_scales [L, 2, num_blocks, block_size, Hkv]`` fp32 -> hidden ``[T, hidden]``
         after the final norm.
+
+        ``keep [K]`` int64, sorted and unique (None: every row): the rows whose hidden states are
+        wanted; the result is theirs, ``[K, hidden]``. The last layer computes its o_proj, MLP
+        and residual at those rows only (in a prefill, one row per sequence that samples); every
+        layer still stores every row's K/V. A row's values are those it has without ``keep``
+        wherever a GEMM's rows do not depend on how many there are (batchgen's own kernels).
         """
         x = self.embed(input_ids)  # [T, hidden]
         plans = layer_plans(self.attention, self.cfg, meta, kv_cache, x.dtype, self.attn_softcap)
         ropes = self.layer_ropes(positions, x.dtype)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            scales = () if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
+            scales = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
             cos, sin = ropes[i]
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], plans[i], *scales)
-        return self.norm(x)
+            rows = keep if i == last else None
+            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], plans[i], *scales, rows)
+        return self.norm(x) if x.shape[0] else x
 
     # the attention logit cap of every layer (Gemma 2 sets one)
     attn_softcap: float | None = None
