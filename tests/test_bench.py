@@ -332,14 +332,17 @@ def test_moe_figures_take_transformers_fastest_dtype_and_the_table_shows_each(be
     assert "M HF fp32: boom" in table
 
 
-@pytest.mark.parametrize("repeat, expected", [
-    (1, ["bg0", "vllm", "ov"]),
-    (3, ["bg0", "bg1", "vllm", "ov", "bg2"]),
-    (4, ["bg0", "bg1", "vllm", "ov", "bg2", "bg3"]),
+@pytest.mark.parametrize("repeat, turns, expected", [
+    (1, True, ["bg0", "vllm-b0", "ov-b0", "vllm-f0"]),
+    (3, True, ["bg0", "vllm-b0", "ov-b0", "bg1", "vllm-b1", "ov-b1", "bg2", "vllm-b2", "ov-b2",
+               "vllm-f0", "vllm-f1", "vllm-f2"]),
+    (3, False, ["bg0", "bg1", "vllm-b0", "vllm-b1", "vllm-b2", "vllm-f0", "vllm-f1", "vllm-f2",
+                "ov-b0", "ov-b1", "ov-b2", "bg2"]),
 ])  # fmt: skip
-def test_batchgen_repeats_bracket_the_peers_runs(bench, monkeypatch, tmp_path, repeat, expected):
-    """With --repeat r, batchgen runs ceil(r/2) times before vLLM and OpenVINO and the rest
-    after them (a drift of the machine moves both sides' medians)."""
+def test_batchgen_and_the_peers_take_turns(bench, monkeypatch, tmp_path, repeat, turns, expected):
+    """With --repeat r, batchgen and each peer's users' dtype take their runs in turn; a peer's
+    other dtype runs its r runs back to back after them. With --no-turns, batchgen runs
+    ceil(r/2) times before the peers and the rest after them."""
     import argparse
 
     order: list[str] = []
@@ -361,25 +364,73 @@ def test_batchgen_repeats_bracket_the_peers_runs(bench, monkeypatch, tmp_path, r
         return "bfloat16"
 
     monkeypatch.setattr(bench, "_batchgen_runs", bg)
-    monkeypatch.setattr(bench, "_vllm_runs", lambda *a: order.append("vllm") or {})
-    monkeypatch.setattr(bench, "_openvino_runs", lambda *a: order.append("ov") or {})
+    peers = {
+        "vllm": [bench.Peer("vllm", "bfloat16", None), bench.Peer("vllm", "float32", None)],
+        "openvino": [bench.Peer("openvino", "bfloat16", None)],
+    }
+    monkeypatch.setattr(bench, "_peers", lambda *a, **k: peers)
+    name = {"vllm": "vllm", "openvino": "ov"}
+    monkeypatch.setattr(
+        bench, "_peer_turn", lambda p, k: order.append(f"{name[p.kind]}-{p.dtype[0]}{k}")
+    )
+    monkeypatch.setattr(bench, "_finish_peer", lambda p, ids: None)
 
     def stop(*a, **k):
         raise Done
 
     monkeypatch.setattr(bench, "median_run", stop)  # the medians come after every run
     args = argparse.Namespace(
-        repeat=repeat, scale=1.0, no_hf=True, hf_real=False, no_vllm=False, no_openvino=False
-    )
+        repeat=repeat, scale=1.0, no_hf=True, hf_real=False, no_vllm=False, no_openvino=False,
+        no_turns=not turns,
+    )  # fmt: skip
     session = bench.Session(
         args=args, out=tmp_path, models={"small": tmp_path}, bg_words=["auto"], kv_dtypes=["auto"],
         tokenizers={"small": lambda prompts, **k: {"input_ids": [[1, 2] for _ in prompts]}},
-        native=True, vllm_users="bfloat16", vllm_dtypes=["bfloat16"], vllm_problem=None,
-        openvino_dtypes=["bfloat16"], openvino_problem=None, rates=[],
+        native=True, vllm_users="bfloat16", vllm_dtypes=["bfloat16", "float32"],
+        vllm_problem=None, openvino_dtypes=["bfloat16"], openvino_problem=None, rates=[],
     )  # fmt: skip
     with pytest.raises(Done):  # reached the medians: every run was made
         bench.bench_workload(session, "A")
     assert order == expected
+
+
+FAKE_WORKER = """
+import json, sys
+spec = json.load(open(sys.argv[-1]))
+if spec.get("fail"):
+    print("RuntimeError: no engine here")
+    sys.exit(3)
+for k, _ in enumerate(sys.stdin):
+    run = {"elapsed_s": 2.0, "output_tokens": 10 * (k + 1), "tok_s": 5.0 * (k + 1)}
+    with open(spec["runs"], "a") as f:
+        f.write(json.dumps(run) + "\\n")
+json.dump({"startup_s": 0.5, "version": "fake"}, open(spec["result"], "w"))
+"""
+
+
+def test_peer_worker_makes_one_run_a_turn(bench, tmp_path):
+    """A peer's worker stays up between turns, makes one run per turn and ends with its result
+    (every run, the median one); a worker that fails says why in one line."""
+    script = tmp_path / "worker.py"
+    script.write_text(FAKE_WORKER)
+    worker = bench.PeerWorker(
+        "fake", "float32", {"n": 1}, [sys.executable, str(script)], None, tmp_path / "w", 60
+    )
+    first = worker.turn()
+    pid = worker.proc.pid
+    assert first == {"elapsed_s": 2.0, "output_tokens": 10, "tok_s": 5.0, "ok": True}
+    assert [worker.turn()["tok_s"] for _ in range(2)] == [10.0, 15.0]
+    assert worker.proc.pid == pid and worker.proc.poll() is None  # the same process throughout
+    res = worker.finish()
+    assert res["ok"] and res["tok_s"] == 10.0 and res["startup_s"] == 0.5
+    assert [r["tok_s"] for r in res["runs"]] == [5.0, 10.0, 15.0] and res["idle_cpu_s"] >= 0
+
+    failing = bench.PeerWorker(
+        "fake", "float32", {"fail": True}, [sys.executable, str(script)], None, tmp_path / "f", 60
+    )
+    assert failing.turn() is None and "exit 3: RuntimeError: no engine here" in failing.error
+    res = failing.finish()
+    assert not res["ok"] and "exit 3" in res["error"]
 
 
 def test_cpu_isa_avx2_caps_the_environment_and_the_cpu(bench, monkeypatch, tmp_path):
