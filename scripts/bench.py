@@ -8,7 +8,7 @@ Usage:
                           [--batchgen-dtypes auto,other] [--vllm-dtypes users,other]
                           [--kv-cache-dtypes auto,int8] [--kv-cache-memory 1GiB]
                           [--scale 0.25] [--repeat 1] [--json bench-out/bench.json]
-                          [--moe-layers 4] [--cpu-isa avx2]
+                          [--moe-layers 4] [--cpu-isa avx2] [--no-turns]
 
 Two random models are made once under bench-out/ (a stamp of their spec is kept beside them):
 "small", the protocol's 8-layer Llama (hidden 512, vocab 4096, about 28M parameters), for workloads
