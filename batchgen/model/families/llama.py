@@ -146,16 +146,17 @@ def layer_plans(
     return out
 
 
-# rows per MLP pass on the CPU (see LlamaMLP.forward): at most _MLP_ROWS, and as many as keep
-# the [rows, 2I] intermediate within _MLP_SLICE_BYTES (at least 64, a multiple of 16)
+# rows per MLP pass on the CPU (see LlamaMLP.forward): _MLP_ROWS, or _MLP_WIDE_ROWS where the
+# [_MLP_ROWS, 2I] intermediate would pass _MLP_WIDE_BYTES
 _MLP_ROWS = 1024
-_MLP_SLICE_BYTES = 6 << 20
+_MLP_WIDE_ROWS = 160
+_MLP_WIDE_BYTES = 16 << 20
 
 
 def mlp_rows(intermediate: int, dtype: torch.dtype) -> int:
     """Rows per MLP pass on the CPU for an MLP of width ``intermediate`` in ``dtype``."""
-    fit = _MLP_SLICE_BYTES // (2 * intermediate * dtype.itemsize) // 16 * 16
-    return min(_MLP_ROWS, max(64, fit))
+    wide = 2 * intermediate * dtype.itemsize * _MLP_ROWS > _MLP_WIDE_BYTES
+    return min(_MLP_ROWS, _MLP_WIDE_ROWS) if wide else _MLP_ROWS
 
 
 def in_row_slices(
@@ -186,8 +187,9 @@ class LlamaMLP(nn.Module):
         # On the CPU, long steps (prefill chunks) go through in slices of this many rows: the
         # [rows, 2I] intermediate then stays in cache between the two GEMMs and SwiGLU (on the
         # benchmark model the MLP ran at 237 GFLOP/s over 8192 rows at once, 283 in 1024-row
-        # slices, AVX-512; at Qwen2.5-0.5B's width, I = 4864, fp32 on an AVX2-only EPYC, 1.14-1.30x
-        # as fast in slices of 96-256 rows as of 1024). None: all rows at once.
+        # slices, AVX-512; on an AVX2-only EPYC in fp32 it ran 3-5% faster in slices of 1024
+        # than of 512, while Qwen2.5-0.5B's, I = 4864, ran 1.2x as fast in slices of 160 as of
+        # 320 or 1024). None: all rows at once.
         cpu = layers.device.type == "cpu"
         self.max_rows = mlp_rows(inter, layers.dtype) if cpu else None
 
