@@ -188,8 +188,8 @@ class LlamaMLP(nn.Module):
         # [rows, 2I] intermediate then stays in cache between the two GEMMs and SwiGLU (on the
         # benchmark model the MLP ran at 237 GFLOP/s over 8192 rows at once, 283 in 1024-row
         # slices, AVX-512; on an AVX2-only EPYC in fp32 it ran 3-5% faster in slices of 1024
-        # than of 512, while Qwen2.5-0.5B's, I = 4864, ran 1.2x as fast in slices of 160 as of
-        # 320 or 1024). None: all rows at once.
+        # than of 512, while Qwen2.5-0.5B's, I = 4864, ran 1.15x as fast in slices of 160 as of
+        # 320 and 1.20x as of 1024). None: all rows at once.
         cpu = layers.device.type == "cpu"
         self.max_rows = mlp_rows(inter, layers.dtype) if cpu else None
 
